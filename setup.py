@@ -1,0 +1,30 @@
+"""Packaging for gpipe_tf: the library, the model registry, the experiment params and trainer.py."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="gpipe_tf",
+    version="0.1.0",
+    description="Lingvo-style TensorFlow 2 trainer with GPipe pipeline parallelism",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["gpipe_tf", "gpipe_tf.*", "model_registry", "model_registry.*",
+                                    "params", "params.*"]),
+    py_modules=["trainer"],
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        # TF 2.21 no longer pulls TensorBoard in, and tf.summary raises without it.
+        "tensorboard>=2.21,<2.22",
+        "tensorflow-datasets>=4.9,<5",
+        # TFDS 4.9 imports importlib_resources without declaring it on Python >= 3.9.
+        "importlib_resources>=5",
+        "absl-py>=2.0,<3",
+        "gin-config>=0.5,<0.6",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+    },
+    entry_points={"console_scripts": ["gpipe-trainer=trainer:run"]},
+)

@@ -1,0 +1,54 @@
+"""Activation functions by name, and an Activation layer."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+
+_ACTIVATIONS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
+    "none": tf.identity,
+    "relu": tf.nn.relu,
+    "relu6": tf.nn.relu6,
+    "gelu": lambda x: tf.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: tf.nn.gelu(x, approximate=True),
+    "tanh": tf.tanh,
+    "sigmoid": tf.sigmoid,
+    "swish": tf.nn.silu,
+    "softplus": tf.nn.softplus,
+}
+
+
+def activation_fn(name: str) -> Callable[[tf.Tensor], tf.Tensor]:
+    """Returns the activation function called `name`; an unknown name lists the known ones."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ParamsError(f"unknown activation {name!r}; expected one of {', '.join(_ACTIVATIONS)}") from None
+
+
+class Activation(BaseLayer):
+    """Applies a named elementwise activation; has no weights."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: `activation` name."""
+        p = super().params()
+        p.define("activation", "relu", f"One of {', '.join(_ACTIVATIONS)}.")
+        return p
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        super().__init__(params, parent_path)
+        self._fn = activation_fn(self.p.activation)
+
+    def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
+        """Returns activation(inputs)."""
+        return self._fn(inputs)
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """No weights."""
+        return 0

@@ -1,0 +1,160 @@
+"""The base layer: a `tf.Module` built from Params, with an explicit-weights forward pass.
+
+Every layer follows one contract, so that the pipeline can re-run any layer on any device:
+
+* `Layer.params()` returns the layer's default `InstantiableParams`; `p.instantiate()` builds it.
+* Variables are created in `__init__` (never lazily), from Params-described initializers with seeds derived
+  from the layer's seed and the variable's name: two builds of the same Params start identical.
+* Children are built from child Params; `dtype` and `seed` flow down when the child leaves them unset.
+* `fprop(theta, inputs, ctx)` is pure: it reads weights only from `theta` (a nested dict of tensors or
+  variables mirroring the layer tree) and randomness only from `ctx.seed`. Passing weights explicitly is
+  what lets `tf.recompute_grad` and `tf.while_loop` schedules re-run a layer (closures over variables fail
+  there, see ../shared/facts/tf2_facts.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError
+from gpipe_tf.layers import initializers
+
+DEFAULT_SEED = 1234
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class FPropContext:
+    """What a forward pass needs besides weights and inputs.
+
+    Attributes:
+      training: True in training (dropout on, batch norm on batch statistics).
+      seed: a stateless RNG seed, int tensor of shape [2], for this forward pass (e.g. from the step and the
+        micro-batch index). Each random layer folds in its own `random_id`, so masks depend on (seed, layer)
+        only: recomputation repeats them and the pipeline partition does not change them.
+    """
+
+    training: bool = False
+    seed: Any = None
+
+    def layer_seed(self, random_id: int, layer_path: str) -> tf.Tensor:
+        """The stateless seed for one layer: `seed` with the layer's id folded in."""
+        if self.seed is None:
+            raise ValueError(
+                f"layer {layer_path!r} draws random numbers in training but FPropContext.seed is None; "
+                "pass FPropContext(training=True, seed=<int tensor [2]>)")
+        seed = tf.cast(tf.convert_to_tensor(self.seed), tf.int64)
+        return tf.random.experimental.stateless_fold_in(seed, random_id)
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class BaseLayer(tf.Module):
+    """Base class of all layers: Params in, variables built in `__init__`, pure `fprop`."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params of this layer class; subclasses extend them."""
+        p = InstantiableParams(cls)
+        p.define("name", "", "Layer name, the last part of its variables' names. Empty: class name in snake case.")
+        p.define("dtype", None, f"Variable and activation dtype, one of {DTYPES}. None: the parent's (root: float32).")
+        p.define("seed", None, "Seed of the variable initializers. None: derived from the parent's seed and this "
+                 f"layer's name (root: {DEFAULT_SEED}).")
+        p.define("params_init", initializers.weight_init(), "Initializer of this layer's weight matrices.")
+        return p
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        if not isinstance(params, InstantiableParams):
+            raise ParamsError(f"{type(self).__name__} expects InstantiableParams from "
+                              f"{type(self).__name__}.params(), got {type(params).__name__}")
+        p = params.copy()
+        if not p.name:
+            p.name = _snake_case(type(self).__name__)
+        if p.dtype is None:
+            p.dtype = "float32"
+        if p.dtype not in DTYPES:
+            raise ParamsError(f"{p.name}.dtype={p.dtype!r} is not supported; use one of {DTYPES}")
+        self.path = f"{parent_path}/{p.name}" if parent_path else p.name
+        if p.seed is None:
+            p.seed = initializers.derive_seed(DEFAULT_SEED, self.path)
+        super().__init__(name=re.sub(r"\W", "_", p.name))
+        self._params = p.freeze()
+        # Plain dicts assigned to a tf.Module are tracked for checkpoints under these attribute names.
+        self.vars: dict[str, tf.Variable] = {}
+        self.children: dict[str, BaseLayer] = {}
+
+    @property
+    def p(self) -> InstantiableParams:
+        """This layer's frozen, resolved Params."""
+        return self._params
+
+    @property
+    def dtype(self) -> tf.DType:
+        """The layer's TensorFlow dtype."""
+        return tf.as_dtype(self.p.dtype)
+
+    @property
+    def random_id(self) -> int:
+        """A stable id for stateless randomness, from the layer's path (independent of device placement)."""
+        return initializers.derive_seed("random", self.path)
+
+    def create_child(self, name: str, params: InstantiableParams) -> "BaseLayer":
+        """Builds a child layer from `params`, passing down dtype and a derived seed; returns it."""
+        if name in self.children:
+            raise ParamsError(f"layer {self.path!r} already has a child named {name!r}")
+        cp = params.copy()
+        if "name" in cp and not cp.name:
+            cp.name = name
+        if "dtype" in cp and cp.dtype is None:
+            cp.dtype = self.p.dtype
+        if "seed" in cp and cp.seed is None:
+            cp.seed = initializers.derive_seed(self.p.seed, name)
+        child = cp.instantiate(parent_path=self.path)
+        self.children[name] = child
+        return child
+
+    def create_children(self, name: str, params_list: list[InstantiableParams]) -> list["BaseLayer"]:
+        """Builds a list of children named `name_0`, `name_1`, ...; returns them in order."""
+        return [self.create_child(f"{name}_{i}", cp) for i, cp in enumerate(params_list)]
+
+    def create_variable(self, name: str, shape: list[int], init: Params | None = None,
+                        trainable: bool = True, dtype: tf.DType | None = None) -> tf.Variable:
+        """Creates a variable from initializer Params (default: `p.params_init`) with a deterministic seed."""
+        if name in self.vars:
+            raise ParamsError(f"layer {self.path!r} already has a variable named {name!r}")
+        init = init if init is not None else self.p.params_init
+        seed = initializers.derive_seed(self.p.seed, name)
+        value = initializers.initial_value(init, shape, dtype or self.dtype, seed)
+        var = tf.Variable(value, trainable=trainable, name=f"{self.path}/{name}")
+        self.vars[name] = var
+        return var
+
+    @property
+    def theta(self) -> dict[str, Any]:
+        """This layer's weights as a nested dict: own variables plus one entry per child."""
+        theta: dict[str, Any] = dict(self.vars)
+        for name, child in self.children.items():
+            theta[name] = child.theta
+        return theta
+
+    def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
+        """The forward pass; subclasses implement it reading weights only from `theta`."""
+        raise NotImplementedError(f"{type(self).__name__}.fprop")
+
+    def __call__(self, inputs: Any, ctx: FPropContext | None = None) -> Any:
+        """Runs `fprop` with this layer's own variables."""
+        return self.fprop(self.theta, inputs, ctx or FPropContext())
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """Number of trainable parameters, computed from Params alone (no variables are created).
+
+        Layers whose size is known from their Params override this; the default builds nothing and says so.
+        """
+        raise NotImplementedError(f"{cls.__name__}.num_params is not implemented")

@@ -1,0 +1,50 @@
+"""Dropout with stateless randomness: the mask is a function of (ctx.seed, layer id) only."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+
+
+class Dropout(BaseLayer):
+    """Zeroes each element with probability `rate` in training and scales the rest by 1 / (1 - rate).
+
+    The mask comes from `tf.random.stateless_uniform` seeded by the caller's `ctx.seed` folded with this layer's
+    `random_id`, so a recomputed forward pass (rematerialization) draws exactly the same mask.
+    """
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: rate, noise_shape_broadcast_dims."""
+        p = super().params()
+        p.define("rate", 0.0, "Probability of dropping an element, in [0, 1).")
+        p.define("noise_shape_broadcast_dims", None,
+                 "None, or a list of dims along which the mask is shared (e.g. [1] for one mask per sequence).")
+        return p
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        super().__init__(params, parent_path)
+        if not 0.0 <= self.p.rate < 1.0:
+            raise ParamsError(f"{self.path}.rate={self.p.rate} must be in [0, 1)")
+
+    def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
+        """Applies dropout when `ctx.training` and rate > 0; otherwise returns `inputs`."""
+        rate = self.p.rate
+        if not ctx.training or rate == 0.0:
+            return inputs
+        shape = tf.shape(inputs)
+        if self.p.noise_shape_broadcast_dims:
+            dims = set(self.p.noise_shape_broadcast_dims)
+            shape = tf.stack([1 if i in dims else shape[i] for i in range(inputs.shape.rank)])
+        uniform = tf.random.stateless_uniform(shape, ctx.layer_seed(self.random_id, self.path), dtype=inputs.dtype)
+        keep = tf.cast(uniform >= rate, inputs.dtype)
+        return inputs * keep / (1.0 - rate)
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """No weights."""
+        return 0

@@ -1,0 +1,41 @@
+"""Layer normalization over the last dimension."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers import initializers
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+
+
+class LayerNorm(BaseLayer):
+    """Normalizes the last dimension to zero mean and unit variance, then scales and shifts it."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: dim, epsilon."""
+        p = super().params()
+        p.define("dim", 0, "Size of the normalized (last) dimension.")
+        p.define("epsilon", 1e-6, "Added to the variance for numerical stability.")
+        return p
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        super().__init__(params, parent_path)
+        if self.p.dim <= 0:
+            raise ParamsError(f"{self.path}: dim must be > 0, got {self.p.dim}")
+        self.create_variable("scale", [self.p.dim], init=initializers.weight_init("constant", 1.0))
+        self.create_variable("bias", [self.p.dim], init=initializers.weight_init("constant", 0.0))
+
+    def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
+        """Returns (x - mean) / sqrt(var + eps) * scale + bias over the last dimension."""
+        mean, variance = tf.nn.moments(inputs, axes=[-1], keepdims=True)
+        normed = (inputs - mean) * tf.math.rsqrt(variance + self.p.epsilon)
+        return normed * theta["scale"] + theta["bias"]
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """2 * dim (scale and bias)."""
+        return 2 * p.dim

@@ -1,0 +1,62 @@
+"""Softmax output layer: logits from a projection, cross-entropy with label smoothing."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers import initializers
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+
+
+def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) -> tf.Tensor:
+    """Per-example cross-entropy against one-hot targets smoothed as (1 - eps) * onehot + eps / num_classes."""
+    num_classes = tf.shape(logits)[-1]
+    targets = tf.one_hot(labels, num_classes, dtype=logits.dtype)
+    if label_smoothing:
+        targets = targets * (1.0 - label_smoothing) + label_smoothing / tf.cast(num_classes, logits.dtype)
+    return -tf.reduce_sum(targets * tf.nn.log_softmax(logits), axis=-1)
+
+
+class SoftmaxCrossEntropy(BaseLayer):
+    """Projects inputs to `num_classes` logits; `xent` gives per-example smoothed cross-entropy."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: input_dim, num_classes, has_bias, label_smoothing."""
+        p = super().params()
+        p.define("input_dim", 0, "Size of the last input dimension.")
+        p.define("num_classes", 0, "Number of output classes.")
+        p.define("has_bias", True, "Whether the logits projection has a bias.")
+        p.define("label_smoothing", 0.0, "Probability mass spread uniformly over all classes, in [0, 1).")
+        return p
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        super().__init__(params, parent_path)
+        p = self.p
+        if p.input_dim <= 0 or p.num_classes <= 1:
+            raise ParamsError(f"{self.path}: need input_dim > 0 and num_classes > 1, got {p.input_dim} and "
+                              f"{p.num_classes}")
+        if not 0.0 <= p.label_smoothing < 1.0:
+            raise ParamsError(f"{self.path}.label_smoothing={p.label_smoothing} must be in [0, 1)")
+        self.create_variable("w", [p.input_dim, p.num_classes])
+        if p.has_bias:
+            self.create_variable("b", [p.num_classes], init=initializers.weight_init("constant", 0.0))
+
+    def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
+        """Returns logits of shape inputs.shape[:-1] + [num_classes]."""
+        logits = tf.tensordot(inputs, theta["w"], axes=[[-1], [0]])
+        if self.p.has_bias:
+            logits += theta["b"]
+        return logits
+
+    def xent(self, logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        """Per-example cross-entropy of `logits` against int `labels`, with this layer's label smoothing."""
+        return smoothed_xent(logits, labels, self.p.label_smoothing)
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """input_dim * num_classes (+ num_classes for the bias)."""
+        return p.input_dim * p.num_classes + (p.num_classes if p.has_bias else 0)

@@ -1,0 +1,124 @@
+"""Experiments: knobs in, one resolved Params tree out (task, inputs, training, evaluation).
+
+An experiment is a class in `params/<area>/<module>.py`, registered with `model_registry.register`. Its knobs are
+plain lower-case class attributes; gin bindings (`BlobsMlp.hidden_dim = 128`) and constructor keywords override
+them. Its methods return Params, as in Lingvo: `task()`, `train_input()`, `dev_input()`, `test_input()` and
+`training()`. `model_params()` assembles them into the tree the trainer runs; dotted `--params` overrides apply
+last. Precedence: experiment defaults < gin < --params.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tokenize
+from typing import Any, Sequence
+
+import gin
+
+import model_registry
+from gpipe_tf.errors import ConfigError
+from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError, parse_overrides
+
+DATASETS = ("train", "dev", "test")
+
+
+class Experiment:
+    """Base class of experiments. Subclasses set knobs as class attributes and override the Params methods."""
+
+    def __init__(self, **knobs: Any) -> None:
+        allowed = self.knobs()
+        for name, value in knobs.items():
+            if name not in allowed:
+                close = difflib.get_close_matches(name, list(allowed), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"{type(self).__name__} has no knob {name!r}{hint} "
+                                  f"(knobs: {', '.join(sorted(allowed))})")
+            setattr(self, name, value)
+
+    @classmethod
+    def knobs(cls) -> dict[str, Any]:
+        """The experiment's knobs: public, non-callable class attributes, with their defaults."""
+        out: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            for name, value in vars(klass).items():
+                if not name.startswith("_") and name.islower() and not callable(value) and not isinstance(
+                        value, (classmethod, staticmethod, property)):
+                    out[name] = value
+        out.pop("registry_key", None)
+        return out
+
+    def task(self) -> InstantiableParams:
+        """Params of the task (layers, loss, metrics)."""
+        raise NotImplementedError(f"{type(self).__name__}.task")
+
+    def train_input(self) -> InstantiableParams:
+        """Params of the training input."""
+        raise NotImplementedError(f"{type(self).__name__}.train_input")
+
+    def dev_input(self) -> InstantiableParams | None:
+        """Params of the development (validation) input; None if there is none."""
+        return None
+
+    def test_input(self) -> InstantiableParams | None:
+        """Params of the test input; None if there is none."""
+        return None
+
+    def training(self) -> Params:
+        """Params of the `train` subtree (optimizer, schedule, intervals); see learner.training_params."""
+        from gpipe_tf.training.learner import training_params  # Imports TensorFlow: only when building.
+        return training_params()
+
+    def eval_params(self) -> Params:
+        """Params of the `eval` subtree."""
+        p = Params()
+        p.define("datasets", [n for n in DATASETS[1:] if getattr(self, f"{n}_input")() is not None],
+                 "Datasets evaluated by --mode=eval, each into logdir/eval_<name>.")
+        return p
+
+    def model_params(self) -> Params:
+        """The whole resolved tree: model key, task, train, input.{train,dev,test}, eval."""
+        root = Params()
+        root.define("model", getattr(type(self), "registry_key", type(self).__name__), "Registry key.")
+        root.define("task", self.task(), "The task: layers, loss and metrics.")
+        root.define("train", self.training(), "Optimization and training-loop settings.")
+        inputs = Params()
+        for name in DATASETS:
+            inputs.define(name, getattr(self, f"{name}_input")(), f"Input Params of the {name} dataset.")
+        root.define("input", inputs, "Input generators, one per dataset.")
+        root.define("eval", self.eval_params(), "Evaluation settings.")
+        return root
+
+
+_GIN_REGISTERED: set[str] = set()
+
+
+def _knob_binder(cls: type) -> Any:
+    """Registers (once) a gin configurable named after the experiment that collects its bound knobs."""
+    key = cls.registry_key
+    module, name = key.rsplit(".", 1)
+    if key not in _GIN_REGISTERED:
+        def bind(**knobs: Any) -> dict[str, Any]:
+            return knobs
+        gin.external_configurable(bind, name=name, module=module)
+        _GIN_REGISTERED.add(key)
+    return gin.get_configurable(f"{module}.{name}")
+
+
+def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
+                   overrides: str = "") -> tuple[Params, str]:
+    """Builds the frozen Params tree of registered `model` with gin and dotted overrides applied.
+
+    Returns (params, operative gin config text). Errors are ConfigError/ParamsError with one-line messages.
+    """
+    cls = model_registry.get(model)
+    binder = _knob_binder(cls)
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings))
+    except (ValueError, OSError, SyntaxError, KeyError, tokenize.TokenError) as e:
+        raise ConfigError(f"bad gin config: {' '.join(str(e).split())}") from e
+    experiment = cls(**binder())
+    params = experiment.model_params()
+    for key, text in parse_overrides(overrides):
+        params.override(key, text)
+    return params.freeze(), gin.operative_config_str()

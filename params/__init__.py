@@ -1,0 +1,1 @@
+"""Experiment definitions, one area per folder; each class registers as `<area>.<module>.<Class>`."""

@@ -1,0 +1,46 @@
+"""Experiments: knobs, gin bindings and dotted overrides, with their precedence and errors."""
+
+import pytest
+
+from gpipe_tf import experiment
+from gpipe_tf.errors import ConfigError
+from gpipe_tf.hyperparams import ParamsError
+
+KEY = "toy.classifier.BlobsMlp"
+
+
+def test_defaults_build_a_full_tree():
+    params, _ = experiment.resolve_params(KEY)
+    assert params.model == KEY
+    assert params.is_frozen
+    assert params.get("task.softmax.num_classes") == 8
+    assert params.input.dev.num_batches == 20
+    assert params.eval.datasets == ["dev", "test"]
+
+
+def test_precedence_defaults_then_gin_then_params(tmp_path):
+    gin_file = tmp_path / "exp.gin"
+    gin_file.write_text("BlobsMlp.learning_rate = 0.5\nBlobsMlp.num_classes = 4\n")
+    params, operative = experiment.resolve_params(
+        KEY, [str(gin_file)], ["BlobsMlp.hidden_dims = (32,)"], "train.learning_rate=0.25")
+    assert params.train.learning_rate == 0.25          # --params beats gin
+    assert params.task.softmax.num_classes == 4        # gin beats the default
+    assert params.task.softmax.input_dim == 32
+    assert "num_classes = 4" in operative
+
+
+def test_gin_knob_typo_suggests_the_knob():
+    with pytest.raises(ConfigError, match="no knob 'hiden_dims'; did you mean 'hidden_dims'"):
+        experiment.resolve_params(KEY, gin_bindings=["BlobsMlp.hiden_dims = (32,)"])
+
+
+def test_bad_gin_syntax_is_a_config_error():
+    with pytest.raises(ConfigError, match="bad gin config"):
+        experiment.resolve_params(KEY, gin_bindings=["BlobsMlp.hidden_dims = (("])
+
+
+def test_override_typo_and_wrong_type():
+    with pytest.raises(ParamsError, match="did you mean"):
+        experiment.resolve_params(KEY, overrides="train.learning_rat=0.1")
+    with pytest.raises(ParamsError, match="learning_rate"):
+        experiment.resolve_params(KEY, overrides="train.learning_rate=fast")

@@ -1,0 +1,65 @@
+"""The train step: loss and gradients from the task, clipping, learning rate, optimizer update.
+
+This is the step logic only; when to run it, checkpoint and summarize is the controller's business
+(Orbit's split).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import Params
+from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.tasks.base_task import BaseTask
+from gpipe_tf.training import optimizers, schedules
+
+
+def training_params() -> Params:
+    """Default Params of the `train` subtree: optimization and training-loop settings."""
+    p = Params()
+    p.define("max_steps", 1000, "Train until the global step reaches this value.")
+    p.define("learning_rate", 1e-3, "Base learning rate; the schedule multiplies it.")
+    p.define("optimizer", optimizers.Adam.params(), "Optimizer Params (SGD, Adam, RMSProp).")
+    p.define("lr_schedule", schedules.Constant.params(),
+             "Learning-rate multiplier schedule (Constant, LinearWarmupRsqrtDecay, Cosine, StepDecay).")
+    p.define("clip_gradient_norm", 0.0, "Clip gradients to this global norm; 0 disables clipping.")
+    p.define("seed", 1, "Seed of training randomness (dropout): step s uses the stateless seed (seed, s).")
+    p.define("save_interval_steps", 100, "Write a checkpoint every this many steps (and at the end).")
+    p.define("max_checkpoints_to_keep", 5, "Older checkpoints are deleted.")
+    p.define("summary_interval_steps", 10, "Write TensorBoard scalars every this many steps.")
+    p.define("log_interval_steps", 50, "Print a progress line every this many steps.")
+    return p
+
+
+class Learner(tf.Module):
+    """Owns the global step, optimizer and schedule for one task; `train_step` is one `tf.function` step."""
+
+    def __init__(self, task: BaseTask, train_params: Params) -> None:
+        super().__init__(name="learner")
+        self.task = task
+        self.tp = train_params
+        self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+        self.optimizer = train_params.optimizer.instantiate()
+        self.schedule = train_params.lr_schedule.instantiate()
+        self.variables_to_train = list(task.trainable_variables)
+        # Slots are created now, eagerly, next to their variables: never inside the traced step.
+        self.optimizer.build(self.variables_to_train)
+        self.train_step = tf.function(self._train_step)
+
+    def learning_rate(self, step: tf.Tensor) -> tf.Tensor:
+        """The learning rate at `step`: base rate times the schedule's multiplier."""
+        return tf.cast(self.tp.learning_rate, tf.float32) * self.schedule(step)
+
+    def _train_step(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        step = self.global_step.read_value()
+        ctx = FPropContext(training=True, seed=tf.stack([tf.constant(self.tp.seed, tf.int64), step]))
+        loss, metrics, grads = self.task.loss_and_gradients(batch, ctx)
+        grads, grad_norm = optimizers.clip_by_global_norm(grads, self.tp.clip_gradient_norm)
+        lr = self.learning_rate(step)
+        self.optimizer.apply_gradients(zip(grads, self.variables_to_train), lr)
+        self.global_step.assign_add(1)
+        out = {name: tf.cast(value, tf.float32) for name, (value, _) in metrics.items()}
+        out.update(loss=tf.cast(loss, tf.float32), grad_norm=tf.cast(grad_norm, tf.float32), learning_rate=lr)
+        return out

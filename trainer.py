@@ -1,0 +1,101 @@
+"""gpipe_tf trainer: train, evaluate or inspect a registered experiment.
+
+  python trainer.py --list_models
+  python trainer.py --model=toy.classifier.BlobsMlp --logdir=/tmp/run --max_steps=200
+  python trainer.py --model=toy.classifier.BlobsMlp --logdir=/tmp/run --mode=eval
+  python trainer.py --model=toy.classifier.BlobsMlp --mode=inspect_params --params=train.learning_rate=0.01
+
+A second run with the same --logdir resumes from its latest checkpoint. Errors a user can fix print one line
+and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+
+# TensorFlow's C++ INFO lines (oneDNN, CPU features) bury the progress lines; warnings and errors still show.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+FLAGS = flags.FLAGS
+
+MODES = ("train", "eval", "inspect_params")
+
+flags.DEFINE_string("model", None, "Registry key of the experiment, e.g. toy.classifier.BlobsMlp.")
+flags.DEFINE_string("logdir", None, "Run directory: params, checkpoints and TensorBoard events.")
+flags.DEFINE_enum("mode", "train", MODES, "What to do.")
+flags.DEFINE_integer("max_steps", None, "Train up to this global step (overrides train.max_steps).")
+flags.DEFINE_string("params", "", "Dotted Params overrides, e.g. 'train.learning_rate=0.1,train.seed=3'.")
+flags.DEFINE_multi_string("gin_file", [], "Gin files binding experiment knobs.")
+flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'BlobsMlp.hidden_dims=(128, 128)'.")
+flags.DEFINE_integer("logical_devices", None, "Split the CPU into this many logical devices before TF starts.")
+flags.DEFINE_bool("list_models", False, "Print every registered experiment key and exit.")
+
+
+def _fail(message: str) -> None:
+    print(f"trainer.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}; flags look like --model=KEY")
+    import model_registry
+    from gpipe_tf import experiment
+
+    if FLAGS.list_models:
+        print("\n".join(model_registry.list_models()))
+        return
+    if not FLAGS.model:
+        _fail("--model is required; run with --list_models to see the registered keys")
+    if FLAGS.logical_devices:
+        from gpipe_tf import devices
+        devices.split_cpu(FLAGS.logical_devices)
+    overrides = FLAGS.params
+    if FLAGS.max_steps is not None:
+        overrides = f"{overrides},train.max_steps={FLAGS.max_steps}" if overrides else f"train.max_steps={FLAGS.max_steps}"
+    params, gin_config = experiment.resolve_params(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
+    if FLAGS.mode == "inspect_params":
+        print(params.to_text())
+        return
+    if not FLAGS.logdir:
+        _fail(f"--logdir is required for --mode={FLAGS.mode}")
+
+    from gpipe_tf.training import logdir as logdir_lib
+    from gpipe_tf.training.controller import Controller
+
+    if FLAGS.mode == "train":
+        logdir_lib.prepare(FLAGS.logdir, params)
+        with open(os.path.join(FLAGS.logdir, "operative_config.gin"), "w", encoding="utf-8") as f:
+            f.write(gin_config)
+        controller = Controller(params, FLAGS.logdir, log=lambda s: print(s, flush=True))
+        controller.train()
+    else:
+        logdir_lib.check_compatible(FLAGS.logdir, params)
+        Controller(params, FLAGS.logdir, log=lambda s: print(s, flush=True)).evaluate()
+
+
+def main(argv: list[str]) -> None:
+    """absl entry point: runs the chosen mode; user errors become one line on stderr and exit status 2."""
+    import model_registry
+    from gpipe_tf.errors import ConfigError
+    from gpipe_tf.hyperparams import ParamsError
+
+    if not FLAGS["verbosity"].present:
+        # TensorFlow's Python INFO logs (checkpoint sharding, ...) would interleave with the progress lines.
+        logging.set_verbosity(logging.WARNING)
+    try:
+        _main(argv)
+    except (ConfigError, ParamsError, model_registry.RegistryError) as e:
+        _fail(" ".join(str(e).split()))
+
+
+def run() -> None:
+    """Console-script entry point (`gpipe-trainer`)."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
 
 _ACTIVATIONS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
     "none": tf.identity,
@@ -52,3 +52,13 @@ class Activation(BaseLayer):
     def num_params(cls, p: InstantiableParams) -> int:
         """No weights."""
         return 0
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
+        """One op per element."""
+        return 1.0 * num_elements(input_spec)
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
+        """Unchanged shape and dtype."""
+        return input_spec

@@ -158,3 +158,20 @@ class BaseLayer(tf.Module):
         Layers whose size is known from their Params override this; the default builds nothing and says so.
         """
         raise NotImplementedError(f"{cls.__name__}.num_params is not implemented")
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: Any) -> Any:
+        """The output's `tf.TensorSpec` structure for `input_spec`, from Params alone."""
+        raise NotImplementedError(f"{cls.__name__}.output_spec is not implemented")
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
+        """Estimated forward flops for one call on `input_spec`, from Params alone."""
+        raise NotImplementedError(f"{cls.__name__}.flops is not implemented")
+
+
+def num_elements(spec: tf.TensorSpec) -> int:
+    """Elements of a fully defined TensorSpec (flops estimates need static shapes)."""
+    if not spec.shape.is_fully_defined():
+        raise ParamsError(f"cost estimates need a fully defined input shape, got {spec.shape}")
+    return int(spec.shape.num_elements())

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
 
 
 class Dropout(BaseLayer):
@@ -48,3 +48,13 @@ class Dropout(BaseLayer):
     def num_params(cls, p: InstantiableParams) -> int:
         """No weights."""
         return 0
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
+        """Random draw, compare and scale per element."""
+        return 3.0 * num_elements(input_spec)
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
+        """Unchanged shape and dtype."""
+        return input_spec

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
 
 
 class Embedding(BaseLayer):
@@ -43,3 +43,13 @@ class Embedding(BaseLayer):
     def num_params(cls, p: InstantiableParams) -> int:
         """vocab_size * embedding_dim."""
         return p.vocab_size * p.embedding_dim
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
+        """Ids shape plus embedding_dim, in the layer's dtype."""
+        return tf.TensorSpec(input_spec.shape.concatenate([p.embedding_dim]), p.dtype or "float32")
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
+        """A gather: one copy per output element."""
+        return float(num_elements(input_spec) * p.embedding_dim)

@@ -9,7 +9,7 @@ import tensorflow as tf
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
 from gpipe_tf.layers.activations import activation_fn
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
 
 
 class Linear(BaseLayer):
@@ -48,3 +48,14 @@ class Linear(BaseLayer):
     def num_params(cls, p: InstantiableParams) -> int:
         """input_dim * output_dim (+ output_dim for the bias)."""
         return p.input_dim * p.output_dim + (p.output_dim if p.has_bias else 0)
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
+        """Same leading dims, last dim output_dim."""
+        return tf.TensorSpec(input_spec.shape[:-1].concatenate([p.output_dim]), input_spec.dtype)
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
+        """2 * rows * input_dim * output_dim (multiply-adds of the matmul)."""
+        rows = num_elements(input_spec) // p.input_dim
+        return 2.0 * rows * p.input_dim * p.output_dim

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
 
 
 class LayerNorm(BaseLayer):
@@ -39,3 +39,13 @@ class LayerNorm(BaseLayer):
     def num_params(cls, p: InstantiableParams) -> int:
         """2 * dim (scale and bias)."""
         return 2 * p.dim
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
+        """Moments, normalize, scale and shift: about 8 ops per element."""
+        return 8.0 * num_elements(input_spec)
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
+        """Unchanged shape and dtype."""
+        return input_spec

@@ -35,3 +35,19 @@ class Sequential(BaseLayer):
     def num_params(cls, p: InstantiableParams) -> int:
         """Sum of the layers' counts."""
         return sum(lp.cls.num_params(lp) for lp in p.layers)
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: Any) -> Any:
+        """Each layer's output spec feeds the next."""
+        for lp in p.layers:
+            input_spec = lp.cls.output_spec(lp, input_spec)
+        return input_spec
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
+        """Sum over the layers, propagating shapes."""
+        total = 0.0
+        for lp in p.layers:
+            total += lp.cls.flops(lp, input_spec)
+            input_spec = lp.cls.output_spec(lp, input_spec)
+        return total

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
 
 
 def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) -> tf.Tensor:
@@ -60,3 +60,13 @@ class SoftmaxCrossEntropy(BaseLayer):
     def num_params(cls, p: InstantiableParams) -> int:
         """input_dim * num_classes (+ num_classes for the bias)."""
         return p.input_dim * p.num_classes + (p.num_classes if p.has_bias else 0)
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
+        """Logits: leading dims, last dim num_classes."""
+        return tf.TensorSpec(input_spec.shape[:-1].concatenate([p.num_classes]), input_spec.dtype)
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
+        """The logits matmul."""
+        return 2.0 * (num_elements(input_spec) // p.input_dim) * p.input_dim * p.num_classes

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
+from gpipe_tf.gpipe import placement
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 
 # A metric is (value, weight): evaluation averages values weighted by their weights across batches.
@@ -30,7 +31,9 @@ class BaseTask(BaseLayer):
         variables = self.trainable_variables
         with tf.GradientTape() as tape:
             loss, metrics = self.compute_loss(self.theta, batch, ctx)
-        grads = tape.gradient(loss, variables)
+        # Pipelined layers need each stage's backward on its own device; harmless without a pipeline.
+        with placement.colocate_gradients():
+            grads = tape.gradient(loss, variables)
         return loss, metrics, grads
 
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:

@@ -1,0 +1,39 @@
+"""Splitting a batch (any nested structure of tensors) into M micro-batches and merging outputs back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import ParamsError
+
+
+def batch_size(structure: Any) -> int:
+    """The static leading dimension shared by every tensor of `structure`."""
+    sizes = {int(t.shape[0]) for t in tf.nest.flatten(structure) if t.shape.rank and t.shape[0] is not None}
+    if len(sizes) != 1:
+        raise ParamsError(f"every input of a pipeline needs the same static batch dimension, got {sorted(sizes)}")
+    return sizes.pop()
+
+
+def valid_micro_batch_counts(size: int) -> list[int]:
+    """The M that divide a batch of `size`."""
+    return [m for m in range(1, size + 1) if size % m == 0]
+
+
+def split(structure: Any, num_micro_batches: int) -> Any:
+    """Reshapes every tensor [B, ...] to [M, B/M, ...]; the loop then reads micro-batch i with t[i]."""
+    size = batch_size(structure)
+    if size % num_micro_batches:
+        raise ParamsError(f"batch size {size} is not divisible by num_micro_batches={num_micro_batches}; valid "
+                          f"values: {valid_micro_batch_counts(size)}")
+    m = num_micro_batches
+    return tf.nest.map_structure(lambda t: tf.reshape(t, tf.concat([[m, size // m], tf.shape(t)[1:]], 0)),
+                                 structure)
+
+
+def merge(stacked: tf.Tensor) -> tf.Tensor:
+    """[M, B/M, ...] back to [B, ...]."""
+    shape = tf.shape(stacked)
+    return tf.reshape(stacked, tf.concat([[shape[0] * shape[1]], shape[2:]], 0))

@@ -1,0 +1,124 @@
+"""Partitioning a layer sequence into K contiguous stages: explicit balance or balanced by a cost.
+
+Costs come from Params alone (parameter count, estimated flops), so a multi-billion-parameter configuration can be
+partitioned and inspected without allocating it; or from timing each layer once on a sample micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+
+BALANCE_BY = ("params", "flops", "time")
+
+
+@dataclasses.dataclass
+class StageInfo:
+    """One row of the partition table."""
+
+    stage: int
+    layers: list[str]
+    params: int
+    device: str
+    cost: float
+
+
+def layer_param_counts(layer_params: Sequence[InstantiableParams]) -> list[int]:
+    """Trainable parameters of each layer, from Params alone."""
+    counts = []
+    for i, lp in enumerate(layer_params):
+        try:
+            counts.append(int(lp.cls.num_params(lp)))
+        except NotImplementedError:
+            raise ParamsError(f"layer {i} ({lp.cls.__name__}) cannot count its parameters from Params; give an "
+                              "explicit balance or use balance_by='time'") from None
+    return counts
+
+
+def layer_flops(layer_params: Sequence[InstantiableParams], input_spec: Any) -> list[float]:
+    """Estimated forward flops of each layer for one micro-batch of `input_spec`, from Params alone."""
+    flops, spec = [], input_spec
+    for i, lp in enumerate(layer_params):
+        try:
+            flops.append(float(lp.cls.flops(lp, spec)))
+            spec = lp.cls.output_spec(lp, spec)
+        except NotImplementedError:
+            raise ParamsError(f"layer {i} ({lp.cls.__name__}) cannot estimate its flops from Params; use "
+                              "balance_by='params' or 'time', or an explicit balance") from None
+    return flops
+
+
+def balance_costs(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Splits `costs` into `num_stages` contiguous non-empty parts minimizing the largest part's sum.
+
+    Returns the number of layers per stage. Exact dynamic programming, O(K n^2): n is at most a few hundred.
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ParamsError(f"num_stages={num_stages} must be between 1 and the number of layers ({n})")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][j]: smallest max-stage cost placing the first j layers into k stages; cut[k][j]: start of stage k.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n - (num_stages - k) + 1):
+            for s in range(k - 1, j):
+                value = max(best[k - 1][s], prefix[j] - prefix[s])
+                # Ties go to the later cut, which moves layers towards later stages (they also hold the loss).
+                if value <= best[k][j]:
+                    best[k][j], cut[k][j] = value, s
+    sizes, j = [], n
+    for k in range(num_stages, 0, -1):
+        s = cut[k][j]
+        sizes.append(j - s)
+        j = s
+    return sizes[::-1]
+
+
+def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
+    """Validates an explicit balance (layers per stage)."""
+    balance = [int(b) for b in balance]
+    if len(balance) != num_stages or any(b < 1 for b in balance) or sum(balance) != num_layers:
+        raise ParamsError(f"balance={balance} must have num_stages={num_stages} positive entries summing to the "
+                          f"number of layers ({num_layers}), e.g. {balance_costs([1.0] * num_layers, num_stages)}")
+    return balance
+
+
+def time_layers(layers: Sequence[Any], sample: Any, repeats: int = 3) -> list[float]:
+    """Median forward time of each built layer on `sample` (a micro-batch), run in order as a chain."""
+    import time
+
+    from gpipe_tf.layers.base_layer import FPropContext
+
+    times, x = [], sample
+    ctx = FPropContext(training=False)
+    for layer in layers:
+        fn = tf.function(lambda inp, layer=layer: layer.fprop(layer.theta, inp, ctx))
+        y = fn(x)  # trace and warm up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tf.nest.map_structure(lambda t: t.numpy(), fn(x))
+            samples.append(time.perf_counter() - start)
+        times.append(sorted(samples)[len(samples) // 2])
+        x = y
+    return times
+
+
+def format_table(rows: Sequence[StageInfo], cost_name: str) -> str:
+    """The partition table as aligned text: stage, layers, params, device, cost."""
+    lines = [f"{'stage':>5}  {'layers':<28} {'params':>14}  {'device':<36} {cost_name:>12}"]
+    for r in rows:
+        span = f"{r.layers[0]} .. {r.layers[-1]} ({len(r.layers)})" if len(r.layers) > 1 else r.layers[0]
+        lines.append(f"{r.stage:>5}  {span:<28} {r.params:>14,}  {r.device:<36} {r.cost:>12.4g}")
+    total = sum(r.params for r in rows)
+    lines.append(f"{'total':>5}  {'':<28} {total:>14,}")
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""The GPipe layer: a layer sequence split into K stages on K devices, run over M micro-batches.
+
+Schedule (one `tf.function` step, the graph independent of M):
+
+* Forward: one `tf.while_loop` over micro-batches. Its body runs stage 0, 1, ..., K-1 on micro-batch i, each
+  stage under its own device and name scope. The loop's iterations may overlap (`parallel_iterations`), so while
+  stage 1 works on micro-batch i, stage 0 already works on i+1: the fill-drain pipeline, with no Python-unrolled
+  M x K graph. Stage boundaries are plain Python values inside the body, so a stage may return any nested
+  structure of any shapes and dtypes.
+* Backward: the gradient of that loop is a second loop that runs after the whole forward loop (GPipe's order:
+  all forwards, then all backwards, micro-batches in reverse). It sums each weight's gradient over micro-batches
+  in loop state: one running sum per stage, never M partial gradients at once.
+* Rematerialization: a stage under `tf.recompute_grad` keeps only its input per micro-batch across the forward
+  pass and recomputes its activations in the backward loop.
+* Placement: weights are read once per step on their stage's device and enter the loop as tensors; the task's
+  `tape.gradient` runs under `placement.colocate_gradients()`, so each stage's backward (and its running sum)
+  stays on the stage's device.
+* Randomness: micro-batch i runs with the step's seed folded with i; each layer folds in its own id, derived
+  from its global index in the sequence, so masks do not depend on K and recomputation repeats them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.gpipe import microbatch, partition, placement, remat
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+
+
+class GPipe(BaseLayer):
+    """Runs `layers` as a K-stage pipeline over M micro-batches; numerically the same as running them in order."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: the layer list, K, M, balance, remat and devices."""
+        p = super().params()
+        p.define("layers", [], "Layer Params, in order. Each layer's output is the next one's input.")
+        p.define("num_stages", 1, "K: pipeline stages, one per device.")
+        p.define("num_micro_batches", 1, "M: micro-batches per mini-batch; must divide the batch size.")
+        p.define("balance", None, "Layers per stage, e.g. [3, 5]; None: balanced automatically by balance_by.")
+        p.define("balance_by", "params", f"Automatic balancing cost: one of {partition.BALANCE_BY}.")
+        p.define("micro_batch_shape", None,
+                 "Shape of one micro-batch of the first layer's input (with batch dim), for balance_by "
+                 "'flops' or 'time'.")
+        p.define("input_dtype", "float32", "dtype of that input, for balance_by 'flops' or 'time'.")
+        p.define("remat", "never", f"Rematerialization policy: one of {remat.POLICIES}.")
+        p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
+        p.define("devices", None, "Explicit device strings, one per stage; overrides device_kind.")
+        p.define("parallel_iterations", 0, "Micro-batches in flight at once in the loops; 0: K (enough to "
+                 "keep every stage busy).")
+        return p
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        super().__init__(params, parent_path)
+        p = self.p
+        layers = list(p.layers)
+        num_layers, k = len(layers), p.num_stages
+        if not layers:
+            raise ParamsError(f"{self.path}.layers is empty; give the layer Params to pipeline")
+        if k < 1 or k > num_layers:
+            raise ParamsError(f"{self.path}.num_stages={k} must be between 1 and the number of layers "
+                              f"({num_layers}); use num_stages <= {num_layers}")
+        if p.num_micro_batches < 1:
+            raise ParamsError(f"{self.path}.num_micro_batches={p.num_micro_batches} must be >= 1")
+        for stage in range(k):
+            remat.stage_uses_remat(p.remat, stage, k)  # validates the policy name
+        if p.devices is not None and len(p.devices) != k:
+            raise ParamsError(f"{self.path}.devices has {len(p.devices)} entries; give one per stage ({k})")
+        self.devices = list(p.devices) if p.devices is not None else placement.stage_devices(k, p.device_kind)
+        self.balance, self.costs, cost_name = self._partition(layers)
+        pipeline_id = placement.new_pipeline_id()
+        self.stage_scopes = [placement.stage_scope(pipeline_id, s, d) for s, d in enumerate(self.devices)]
+        self.stage_layers: list[list[str]] = []
+        start = 0
+        for stage, size in enumerate(self.balance):
+            names = []
+            with tf.device(self.devices[stage]):
+                for j in range(start, start + size):
+                    # Names carry the global index, never the stage: checkpoints and dropout masks do not
+                    # depend on K.
+                    names.append(f"layer_{j}")
+                    self.create_child(names[-1], layers[j])
+            self.stage_layers.append(names)
+            start += size
+        counts = [sum(v.shape.num_elements() for n in names for v in self.children[n].trainable_variables)
+                  for names in self.stage_layers]
+        self.partition_rows = [
+            partition.StageInfo(stage=s, layers=names, params=counts[s], device=self.devices[s],
+                                cost=sum(self.costs[int(n.split("_")[1])] for n in names))
+            for s, names in enumerate(self.stage_layers)]
+        self.cost_name = cost_name
+
+    def _sample_spec(self) -> tf.TensorSpec:
+        if self.p.micro_batch_shape is None:
+            raise ParamsError(f"{self.path}: balance_by={self.p.balance_by!r} needs micro_batch_shape (the shape "
+                              "of one micro-batch of the first layer's input)")
+        return tf.TensorSpec(self.p.micro_batch_shape, self.p.input_dtype)
+
+    def _partition(self, layers: list[InstantiableParams]) -> tuple[list[int], list[float], str]:
+        p, k = self.p, self.p.num_stages
+        by = p.balance_by
+        if by not in partition.BALANCE_BY:
+            raise ParamsError(f"{self.path}.balance_by={by!r} is not one of {partition.BALANCE_BY}")
+        if by == "params":
+            costs = [float(c) for c in partition.layer_param_counts(layers)]
+        elif by == "flops":
+            costs = partition.layer_flops(layers, self._sample_spec())
+        else:
+            spec = self._sample_spec()
+            sample = tf.zeros(spec.shape, spec.dtype)
+            # Profiling builds throw-away copies of the layers; the real ones are built on their stage devices.
+            costs = partition.time_layers([lp.copy().instantiate() for lp in layers], sample)
+        if p.balance is not None:
+            return partition.check_balance(p.balance, len(layers), k), costs, by
+        return partition.balance_costs(costs, k), costs, by
+
+    def partition_table(self) -> str:
+        """The chosen split as text: stage, layers, params, device, cost."""
+        return partition.format_table(self.partition_rows, f"cost({self.cost_name})")
+
+    def _run_stage(self, stage: int, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
+        out = inputs
+        for name in self.stage_layers[stage]:
+            out = self.children[name].fprop(theta[name], out, ctx)
+        return out
+
+    def _output_structure(self, micro_batch_spec: Any) -> Any:
+        """Output TensorSpecs of one micro-batch, from Params where layers can tell, else by tracing."""
+        spec = micro_batch_spec
+        try:
+            for names in self.stage_layers:
+                for name in names:
+                    child = self.children[name]
+                    spec = child.output_spec(child.p, spec)
+            return spec
+        except NotImplementedError:
+            pass
+        ctx = FPropContext(training=False)
+        traced = tf.function(lambda x: self._run_all(self.theta, x, ctx)).get_concrete_function(micro_batch_spec)
+        return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
+
+    def _run_all(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
+        for stage in range(self.p.num_stages):
+            inputs = self._run_stage(stage, theta, inputs, ctx)
+        return inputs
+
+    def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
+        """Runs the pipeline on a mini-batch (any nested structure with a common leading batch dimension)."""
+        k, m = self.p.num_stages, self.p.num_micro_batches
+        with tf.device(self.devices[0]):
+            micro_batches = microbatch.split(inputs, m)
+        # Weights enter the loop as tensors read once on their stage's device.
+        stage_theta = []
+        for stage, names in enumerate(self.stage_layers):
+            with tf.device(self.devices[stage]):
+                stage_theta.append({n: tf.nest.map_structure(tf.identity, theta[n]) for n in names})
+        out_spec = self._output_structure(
+            tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
+        flat_spec = tf.nest.flatten(out_spec)
+        use_remat = [remat.stage_uses_remat(self.p.remat, s, k) for s in range(k)]
+
+        def body(i: tf.Tensor, *arrays: tf.TensorArray) -> tuple:
+            with tf.device(self.devices[0]):
+                x = tf.nest.map_structure(lambda t: t[i], micro_batches)
+            seed = None if ctx.seed is None else tf.random.experimental.stateless_fold_in(
+                tf.cast(ctx.seed, tf.int64), tf.cast(i, tf.int64))
+            micro_ctx = FPropContext(training=ctx.training, seed=seed)
+            for stage in range(k):
+                with placement.on_stage(self.stage_scopes[stage]):
+                    def run(theta_s: Any, x_s: Any, stage: int = stage) -> Any:
+                        return self._run_stage(stage, theta_s, x_s, micro_ctx)
+                    x = remat.rematerialize(run, stage_theta[stage], x) if use_remat[stage] else run(
+                        stage_theta[stage], x)
+            with tf.device(self.devices[-1]):
+                arrays = tuple(a.write(i, leaf) for a, leaf in zip(arrays, tf.nest.flatten(x)))
+            return (i + 1, *arrays)
+
+        with tf.device(self.devices[-1]):
+            arrays = tuple(tf.TensorArray(s.dtype, size=m, element_shape=s.shape) for s in flat_spec)
+        _, *arrays = tf.while_loop(lambda i, *_: i < m, body, (tf.constant(0), *arrays),
+                                   parallel_iterations=self.p.parallel_iterations or k)
+        with tf.device(self.devices[-1]):
+            flat_out = [microbatch.merge(a.stack()) for a in arrays]
+        return tf.nest.pack_sequence_as(out_spec, flat_out)
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """Sum of the layers' counts."""
+        return sum(partition.layer_param_counts(list(p.layers)))
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: Any) -> Any:
+        """Each layer's output spec feeds the next."""
+        for lp in p.layers:
+            input_spec = lp.cls.output_spec(lp, input_spec)
+        return input_spec
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
+        """Sum of the layers' flops."""
+        return sum(partition.layer_flops(list(p.layers), input_spec))

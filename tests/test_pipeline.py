@@ -1,0 +1,203 @@
+"""GPipe equals the un-pipelined model: loss and every gradient, for K in 1..4 and M in {1,2,3,4,8}."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.dropout import Dropout
+from gpipe_tf.layers.linear import Linear
+from gpipe_tf.layers.sequential import Sequential
+
+BATCH = 24
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def mlp_layers(dtype, dropout=0.0, width=6, depth=8):
+    layers = []
+    for i in range(depth):
+        layers.append(Linear.params().set(input_dim=width, output_dim=width, activation="tanh"))
+        if dropout:
+            layers.append(Dropout.params().set(rate=dropout))
+    return layers
+
+
+class PairConv(BaseLayer):
+    """Test layer on a pair (h, skip): h -> relu(conv(h)) with a stride, skip -> pooled to h's new size + proj."""
+
+    @classmethod
+    def params(cls):
+        p = super().params()
+        p.define("in_ch", 2, "")
+        p.define("out_ch", 2, "")
+        p.define("stride", 1, "")
+        return p
+
+    def __init__(self, params, parent_path=""):
+        super().__init__(params, parent_path)
+        self.create_variable("w", [3, 3, self.p.in_ch, self.p.out_ch])
+        self.create_variable("s", [1, 1, self.p.in_ch, self.p.out_ch])
+
+    def fprop(self, theta, inputs, ctx):
+        h, skip = inputs
+        st = self.p.stride
+        new_h = tf.nn.relu(tf.nn.conv2d(h, theta["w"], st, "SAME"))
+        new_skip = tf.nn.conv2d(tf.nn.avg_pool2d(skip, st, st, "SAME"), theta["s"], 1, "SAME") + new_h
+        return new_h, new_skip
+
+    @classmethod
+    def num_params(cls, p):
+        return 10 * p.in_ch * p.out_ch
+
+
+def conv_layers(dtype):
+    chans = [2, 3, 3, 4, 4, 5]
+    strides = [1, 2, 1, 2, 1]
+    return [PairConv.params().set(in_ch=a, out_ch=b, stride=s) for a, b, s in zip(chans[:-1], chans[1:], strides)]
+
+
+def build(layers, dtype, k=None, m=1, remat="never", balance=None):
+    if k is None:
+        p = Sequential.params().set(name="net", dtype=dtype, layers=layers)
+    else:
+        p = GPipe.params().set(name="net", dtype=dtype, layers=layers, num_stages=k, num_micro_batches=m,
+                               remat=remat, balance=balance, devices=DEVICES[:k])
+    return p.instantiate()
+
+
+def loss_and_grads(layer, inputs, seed=None):
+    @tf.function
+    def step(x):
+        ctx = FPropContext(training=seed is not None, seed=seed)
+        with tf.GradientTape() as tape:
+            out = layer.fprop(layer.theta, x, ctx)
+            loss = tf.add_n([tf.reduce_sum(t * t) for t in tf.nest.flatten(out)])
+        with placement.colocate_gradients():
+            grads = tape.gradient(loss, layer.trainable_variables)
+        return loss, grads
+
+    loss, grads = step(inputs)
+    return float(loss), {v.name: g.numpy() for v, g in zip(layer.trainable_variables, grads)}
+
+
+def assert_same(a, b, rtol, atol=0.0):
+    np.testing.assert_allclose(a[0], b[0], rtol=rtol, atol=atol)
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        np.testing.assert_allclose(a[1][name], b[1][name], rtol=rtol, atol=atol, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def mlp_reference():
+    x = tf.constant(np.random.default_rng(1).normal(size=(BATCH, 6)))
+    return x, loss_and_grads(build(mlp_layers("float64"), "float64"), x)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_mlp_float64_equals_unpipelined(mlp_reference, k, m):
+    x, ref = mlp_reference
+    got = loss_and_grads(build(mlp_layers("float64"), "float64", k, m, remat="always" if m % 2 else "never"), x)
+    assert_same(got, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("k,m,remat", [(2, 4, "never"), (4, 8, "except_last"), (3, 3, "always")])
+def test_mlp_float32_equals_unpipelined(k, m, remat):
+    x = tf.constant(np.random.default_rng(2).normal(size=(BATCH, 6)).astype(np.float32))
+    ref = loss_and_grads(build(mlp_layers("float32"), "float32"), x)
+    assert_same(loss_and_grads(build(mlp_layers("float32"), "float32", k, m, remat), x), ref, rtol=1e-5,
+                atol=1e-6)
+
+
+@pytest.mark.parametrize("k,m,remat", [(1, 1, "never"), (2, 4, "always"), (3, 8, "except_last"), (4, 2, "never"),
+                                       (4, 8, "always")])
+def test_conv_pair_stack_changes_shape_and_equals_unpipelined(k, m, remat):
+    rng = np.random.default_rng(3)
+    x = (tf.constant(rng.normal(size=(BATCH, 8, 8, 2))), tf.constant(rng.normal(size=(BATCH, 8, 8, 2))))
+    ref = loss_and_grads(build(conv_layers("float64"), "float64"), x)
+    got = loss_and_grads(build(conv_layers("float64"), "float64", min(k, 5), m, remat), x)
+    assert_same(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_masks_do_not_depend_on_k_or_remat():
+    x = tf.constant(np.random.default_rng(4).normal(size=(BATCH, 6)))
+    seed = tf.constant([5, 6], tf.int64)
+    layers = mlp_layers("float64", dropout=0.1, depth=4)
+    base = loss_and_grads(build(layers, "float64", 1, 4, "never"), x, seed)
+    assert_same(loss_and_grads(build(layers, "float64", 4, 4, "never"), x, seed), base, rtol=0, atol=1e-13)
+    assert_same(loss_and_grads(build(layers, "float64", 4, 4, "always"), x, seed), base, rtol=0, atol=1e-13)
+    assert_same(loss_and_grads(build(layers, "float64", 2, 4, "except_last"), x, seed), base, rtol=0, atol=1e-13)
+    no_dropout = loss_and_grads(build(mlp_layers("float64", depth=4), "float64", 1, 4), x)
+    assert abs(no_dropout[0] - base[0]) > 1e-6  # dropout really acted
+
+
+def test_batch_size_not_divisible_names_valid_m():
+    layer = build(mlp_layers("float32", depth=2), "float32", 2, 5)
+    with pytest.raises(ParamsError, match=r"batch size 24 is not divisible by num_micro_batches=5; valid values: "
+                                          r"\[1, 2, 3, 4, 6, 8, 12, 24\]"):
+        layer(tf.zeros([BATCH, 6]))
+
+
+def test_more_stages_than_layers_is_an_error():
+    with pytest.raises(ParamsError, match=r"num_stages=3 must be between 1 and the number of layers \(2\)"):
+        build(mlp_layers("float32", depth=2), "float32", 3, 1)
+
+
+def test_bad_balance_and_policy_are_errors():
+    with pytest.raises(ParamsError, match=r"balance=\[1, 1\] must have num_stages=2 positive entries summing to"):
+        build(mlp_layers("float32", depth=4), "float32", 2, 1, balance=[1, 1])
+    with pytest.raises(ParamsError, match="remat='sometimes' is not one of"):
+        build(mlp_layers("float32", depth=4), "float32", 2, 1, remat="sometimes")
+
+
+def _count_ops(graph):
+    total = len(graph.get_operations())
+    for fn in graph._functions.values():
+        total += len(fn.graph.get_operations()) if hasattr(fn, "graph") else 0
+    return total
+
+
+def test_graph_does_not_grow_with_m():
+    layers = mlp_layers("float32", depth=4)
+    sizes = []
+    for m in (2, 4, 8, 12):
+        layer = build(layers, "float32", 2, m, "always")
+
+        @tf.function
+        def step(x, layer=layer):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(x))
+            return tape.gradient(loss, layer.trainable_variables)
+
+        sizes.append(_count_ops(step.get_concrete_function(tf.TensorSpec([BATCH, 6])).graph))
+    assert len(set(sizes)) == 1, sizes
+
+
+def test_each_stage_backward_is_placed_on_its_device():
+    layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, "always")
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        with placement.colocate_gradients():
+            return tape.gradient(loss, layer.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec([BATCH, 6])).graph
+    grad_matmuls = []
+    for fn in graph._functions.values():
+        if "grad" in str(fn.name):
+            grad_matmuls += [op for op in fn.graph.get_operations() if op.type == "MatMul"]
+    assert grad_matmuls, "no backward loop found"
+    devices = {op.device for op in grad_matmuls}
+    assert devices == {"/device:CPU:0", "/device:CPU:1"}, devices
+
+
+def test_partition_table_lists_stages():
+    layer = build(mlp_layers("float32", depth=4), "float32", 2, 1)
+    table = layer.partition_table()
+    assert layer.balance == [2, 2]
+    assert "layer_0 .. layer_1 (2)" in table and "/device:CPU:1" in table and "84" in table

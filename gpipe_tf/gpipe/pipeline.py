@@ -161,13 +161,18 @@ class GPipe(BaseLayer):
             tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
         flat_spec = tf.nest.flatten(out_spec)
         use_remat = [remat.stage_uses_remat(self.p.remat, s, k) for s in range(k)]
+        # Batch norm statistics are summed over micro-batches in loop state and reported once for the step.
+        aux_spec = self.aux_stats_spec() if ctx.training and ctx.aux is not None else {}
+        flat_aux_spec = tf.nest.flatten(aux_spec)
+        num_aux = len(flat_aux_spec)
 
-        def body(i: tf.Tensor, *arrays: tf.TensorArray) -> tuple:
+        def body(i: tf.Tensor, *state: Any) -> tuple:
+            aux_sums, arrays = state[:num_aux], state[num_aux:]
             with tf.device(self.devices[0]):
                 x = tf.nest.map_structure(lambda t: t[i], micro_batches)
             seed = None if ctx.seed is None else tf.random.experimental.stateless_fold_in(
                 tf.cast(ctx.seed, tf.int64), tf.cast(i, tf.int64))
-            micro_ctx = FPropContext(training=ctx.training, seed=seed)
+            micro_ctx = FPropContext(training=ctx.training, seed=seed, aux={} if aux_spec else None)
             for stage in range(k):
                 with placement.on_stage(self.stage_scopes[stage]):
                     def run(theta_s: Any, x_s: Any, stage: int = stage) -> Any:
@@ -176,14 +181,20 @@ class GPipe(BaseLayer):
                         stage_theta[stage], x)
             with tf.device(self.devices[-1]):
                 arrays = tuple(a.write(i, leaf) for a, leaf in zip(arrays, tf.nest.flatten(x)))
-            return (i + 1, *arrays)
+                if aux_spec:
+                    stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec})
+                    aux_sums = tuple(total + s for total, s in zip(aux_sums, stats))
+            return (i + 1, *aux_sums, *arrays)
 
         with tf.device(self.devices[-1]):
             arrays = tuple(tf.TensorArray(s.dtype, size=m, element_shape=s.shape) for s in flat_spec)
-        _, *arrays = tf.while_loop(lambda i, *_: i < m, body, (tf.constant(0), *arrays),
-                                   parallel_iterations=self.p.parallel_iterations or k)
+            aux_zeros = tuple(tf.zeros(s.shape, s.dtype) for s in flat_aux_spec)
+        _, *state = tf.while_loop(lambda i, *_: i < m, body, (tf.constant(0), *aux_zeros, *arrays),
+                                  parallel_iterations=self.p.parallel_iterations or k)
+        if aux_spec:
+            ctx.aux.update(tf.nest.pack_sequence_as(aux_spec, state[:num_aux]))
         with tf.device(self.devices[-1]):
-            flat_out = [microbatch.merge(a.stack()) for a in arrays]
+            flat_out = [microbatch.merge(a.stack()) for a in state[num_aux:]]
         return tf.nest.pack_sequence_as(out_spec, flat_out)
 
     @classmethod

@@ -36,10 +36,15 @@ class FPropContext:
       seed: a stateless RNG seed, int tensor of shape [2], for this forward pass (e.g. from the step and the
         micro-batch index). Each random layer folds in its own `random_id`, so masks depend on (seed, layer)
         only: recomputation repeats them and the pipeline partition does not change them.
+      aux: None, or a dict that layers fill with per-step statistics (batch norm: sum, sum of squares and
+        count of its inputs, keyed by layer path). Statistics leave the forward pass this way, not by
+        updating variables, so that recomputation cannot apply them twice; the learner applies them once
+        per step (`BaseLayer.apply_aux_stats`).
     """
 
     training: bool = False
     seed: Any = None
+    aux: dict | None = None
 
     def layer_seed(self, random_id: int, layer_path: str) -> tf.Tensor:
         """The stateless seed for one layer: `seed` with the layer's id folded in."""
@@ -150,6 +155,16 @@ class BaseLayer(tf.Module):
     def __call__(self, inputs: Any, ctx: FPropContext | None = None) -> Any:
         """Runs `fprop` with this layer's own variables."""
         return self.fprop(self.theta, inputs, ctx or FPropContext())
+
+    def aux_stats_spec(self) -> dict[str, Any]:
+        """TensorSpecs of the statistics this layer and its children put in `ctx.aux` in training, by path."""
+        spec: dict[str, Any] = {}
+        for child in self.children.values():
+            spec.update(child.aux_stats_spec())
+        return spec
+
+    def apply_aux_stats(self, aux: Mapping[str, Any]) -> None:
+        """Applies once-per-step statistics from `ctx.aux` (e.g. batch norm moving averages); default: none."""
 
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:

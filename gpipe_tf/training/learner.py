@@ -11,7 +11,7 @@ from typing import Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.tasks.base_task import BaseTask
 from gpipe_tf.training import optimizers, schedules
 
@@ -44,6 +44,8 @@ class Learner(tf.Module):
         self.optimizer = train_params.optimizer.instantiate()
         self.schedule = train_params.lr_schedule.instantiate()
         self.variables_to_train = list(task.trainable_variables)
+        self._stat_layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)
+                             and type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
         # Slots are created now, eagerly, next to their variables: never inside the traced step.
         self.optimizer.build(self.variables_to_train)
         self.train_step = tf.function(self._train_step)
@@ -54,8 +56,11 @@ class Learner(tf.Module):
 
     def _train_step(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         step = self.global_step.read_value()
-        ctx = FPropContext(training=True, seed=tf.stack([tf.constant(self.tp.seed, tf.int64), step]))
+        ctx = FPropContext(training=True, seed=tf.stack([tf.constant(self.tp.seed, tf.int64), step]), aux={})
         loss, metrics, grads = self.task.loss_and_gradients(batch, ctx)
+        # Once per step, from the whole mini-batch: batch norm moving averages (never inside fprop).
+        for layer in self._stat_layers:
+            layer.apply_aux_stats(ctx.aux)
         grads, grad_norm = optimizers.clip_by_global_norm(grads, self.tp.clip_gradient_norm)
         lr = self.learning_rate(step)
         self.optimizer.apply_gradients(zip(grads, self.variables_to_train), lr)

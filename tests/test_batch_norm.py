@@ -1,0 +1,97 @@
+"""Batch norm: micro-batch statistics in the pipeline, moving averages once per step from the full batch."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.layers.batch_norm import BatchNorm
+from gpipe_tf.layers.linear import Linear
+from gpipe_tf.layers.sequential import Sequential
+from gpipe_tf.tasks.classifier import ClassifierTask
+from gpipe_tf.training.learner import Learner, training_params
+
+B, M, D = 16, 4, 5
+RNG = np.random.default_rng(7)
+
+
+def bn_np(x, eps=1e-5):
+    mean, var = x.mean(0), x.var(0)
+    return (x - mean) / np.sqrt(var + eps), mean, var
+
+
+def test_batch_norm_layer_train_and_eval_match_numpy():
+    layer = BatchNorm.params().set(dim=D, dtype="float64").instantiate()
+    x = RNG.normal(size=(B, D)) * 2 + 1
+    aux = {}
+    out = layer.fprop(layer.theta, tf.constant(x), FPropContext(training=True, aux=aux))
+    np.testing.assert_allclose(out.numpy(), bn_np(x)[0], rtol=1e-10, atol=1e-12)
+    total, total_sq, count = (t.numpy() for t in aux[layer.path])
+    np.testing.assert_allclose(total, x.sum(0), rtol=1e-12)
+    np.testing.assert_allclose(total_sq, (x * x).sum(0), rtol=1e-12)
+    assert count == B
+    layer.vars["moving_mean"].assign(np.arange(D, dtype=np.float64))
+    layer.vars["moving_variance"].assign(np.full(D, 4.0))
+    out = layer(tf.constant(x))  # eval: moving statistics
+    np.testing.assert_allclose(out.numpy(), (x - np.arange(D)) / np.sqrt(4.0 + 1e-5), rtol=1e-10)
+
+
+def layers():
+    return [Linear.params().set(input_dim=D, output_dim=D), BatchNorm.params().set(dim=D, decay=0.5),
+            Linear.params().set(input_dim=D, output_dim=D, activation="tanh"), BatchNorm.params().set(dim=D, decay=0.5)]
+
+
+def make_task(network):
+    p = ClassifierTask.params().set(name="task", dtype="float64", network=network)
+    p.softmax.set(input_dim=D, num_classes=3)
+    return p.instantiate()
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_moving_averages_after_one_pipelined_step_use_full_batch_statistics(remat):
+    network = GPipe.params().set(layers=layers(), num_stages=2, num_micro_batches=M, remat=remat,
+                                 devices=["/device:CPU:0", "/device:CPU:1"])
+    task = make_task(network)
+    w = [task.network.children[f"layer_{j}"].vars for j in (0, 2)]
+    w1, b1, w2, b2 = (v.numpy() for v in (w[0]["w"], w[0]["b"], w[1]["w"], w[1]["b"]))
+    x = RNG.normal(size=(B, D))
+    # NumPy reference of the forward with micro-batch statistics.
+    h1 = x @ w1 + b1
+    h2 = np.concatenate([np.tanh(bn_np(h1[i * B // M:(i + 1) * B // M])[0] @ w2 + b2) for i in range(M)])
+    learner = Learner(task, training_params().set(learning_rate=0.0))
+    learner.train_step({"inputs": tf.constant(x), "labels": tf.constant(RNG.integers(0, 3, size=B), tf.int32)})
+    bn1, bn3 = task.network.children["layer_1"].vars, task.network.children["layer_3"].vars
+    # decay 0.5 from (0, 1): a second update (e.g. from recomputation) would move them further.
+    np.testing.assert_allclose(bn1["moving_mean"].numpy(), 0.5 * h1.mean(0), rtol=1e-10)
+    np.testing.assert_allclose(bn1["moving_variance"].numpy(), 0.5 + 0.5 * h1.var(0), rtol=1e-10)
+    np.testing.assert_allclose(bn3["moving_mean"].numpy(), 0.5 * h2.mean(0), rtol=1e-10)
+    np.testing.assert_allclose(bn3["moving_variance"].numpy(), 0.5 + 0.5 * h2.var(0), rtol=1e-10)
+
+
+def test_training_mode_gradients_equal_micro_batches_fed_one_by_one():
+    x = tf.constant(RNG.normal(size=(B, D)))
+    pipe = GPipe.params().set(name="net", dtype="float64", layers=layers(), num_stages=2, num_micro_batches=M,
+                              remat="always", devices=["/device:CPU:0", "/device:CPU:1"]).instantiate()
+    seq = Sequential.params().set(name="net", dtype="float64", layers=layers()).instantiate()
+    ctx = FPropContext(training=True)
+
+    @tf.function
+    def pipelined():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(pipe.fprop(pipe.theta, x, ctx)))
+        with placement.colocate_gradients():
+            return loss, tape.gradient(loss, pipe.trainable_variables)
+
+    @tf.function
+    def one_by_one():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(tf.square(seq.fprop(seq.theta, x[i * B // M:(i + 1) * B // M], ctx)))
+                             for i in range(M)])
+        return loss, tape.gradient(loss, seq.trainable_variables)
+
+    (lp, gp), (ls, gs) = pipelined(), one_by_one()
+    np.testing.assert_allclose(lp.numpy(), ls.numpy(), rtol=1e-10)
+    for a, b in zip(gp, gs):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-12)

@@ -244,7 +244,7 @@ def render_text(timeline: Timeline, tick: float | None = None) -> str:
 
     Each column is one tick of time (default: the shortest cell's duration, so every cell shows at least once)
     and is len(str(M-1)) + 1 characters wide. A forward tick shows the micro-batch number followed by a space
-    ("3 "), a backward tick the number followed by a prime ("3'", as in a derivative), an idle tick "." ("." ).
+    ("3 "), a backward tick the number followed by a prime ("3'", as in a derivative), an idle tick a dot (". ").
     Numbers are right-aligned so that micro-batches >= 10 stay readable ("12'" next to " 3'"). A cell lasting
     several ticks repeats its label, so widths show durations.
 

@@ -1,0 +1,132 @@
+"""TF worker processes: stages on `/job:worker/replica:0/task:k`, locally (faithful CPU devices) or on hosts.
+
+Logical CPUs in one process share one thread pool, so they cannot show whether a pipeline schedule overlaps
+work. K single-thread `tf.distribute.Server` processes on 127.0.0.1 can: each is a device with its own core,
+and transfers between stages are real gRPC transfers. The same placement spans hosts when the cluster lists
+remote addresses. See README "Measuring on a CPU".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+JOB = "worker"
+_PR_SET_PDEATHSIG = 1
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent() -> None:
+    # A worker blocked in join() would outlive a crashed client; the kernel kills it when the parent dies.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def cluster_spec(addresses: Sequence[str]) -> dict[str, list[str]]:
+    """A cluster dict {'worker': [host:port, ...]} for `tf.train.ClusterSpec`."""
+    return {JOB: list(addresses)}
+
+
+class LocalWorkers:
+    """K TF servers on 127.0.0.1, one process and `threads` compute threads each; a context manager."""
+
+    def __init__(self, num_workers: int, threads: int = 1) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be >= 1")
+        self.num_workers = num_workers
+        self.threads = threads
+        self.addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
+        self.processes: list[subprocess.Popen] = []
+
+    @property
+    def spec(self) -> dict[str, list[str]]:
+        """The cluster dict of these workers."""
+        return cluster_spec(self.addresses)
+
+    def start(self) -> "LocalWorkers":
+        """Starts every server process; returns once all accept connections (or raises)."""
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+        for task in range(self.num_workers):
+            cmd = [sys.executable, "-m", "gpipe_tf.workers", json.dumps(self.spec), str(task), str(self.threads)]
+            self.processes.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent,
+                                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        deadline = time.time() + 60
+        for address, proc in zip(self.addresses, self.processes):
+            host, port = address.split(":")
+            while True:
+                if proc.poll() is not None:
+                    err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+                    self.stop()
+                    raise RuntimeError(f"worker {address} exited with {proc.returncode}: {err}")
+                try:
+                    socket.create_connection((host, int(port)), timeout=0.5).close()
+                    break
+                except OSError:
+                    if time.time() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"worker {address} did not start within 60 s") from None
+                    time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        """Terminates every server (SIGTERM, then SIGKILL after 5 s)."""
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.processes = []
+
+    def __enter__(self) -> "LocalWorkers":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def connect(spec: dict[str, list[str]], inter_op_threads: int = 1) -> list[str]:
+    """Connects this process to the cluster; returns the workers' CPU device names, task order.
+
+    Workers adopt the client's inter-op setting, so it is set here, before connecting (it cannot change later).
+    """
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec))
+    return [f"/job:{JOB}/replica:0/task:{k}/device:CPU:0" for k in range(len(spec[JOB]))]
+
+
+def _serve(spec_json: str, task: int, threads: int) -> None:
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
+    server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec_json)), job_name=JOB, task_index=task,
+                                  config=config, start=True)
+    server.join()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

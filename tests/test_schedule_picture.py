@@ -1,0 +1,223 @@
+"""The predicted GPipe fill-drain timeline: bubble fraction, dependencies, remat costs, and its text/PNG pictures."""
+
+import itertools
+import re
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpipe_tf.gpipe import schedule
+from gpipe_tf.hyperparams import ParamsError
+
+
+@pytest.mark.parametrize("ratio", [2.0, 1.0, 3.5])
+def test_equal_costs_reach_gpipe_bound_exactly(ratio):
+    for k, m in itertools.product([1, 2, 3, 4, 7], [1, 2, 4, 5, 16, 33]):
+        t = schedule.predict(k, m, backward_ratio=ratio)
+        bound = Fraction(k - 1, m + k - 1)
+        assert t.bubble_fraction == pytest.approx(float(bound), abs=1e-12), (k, m)
+        assert t.ideal_bubble_fraction() == pytest.approx(float(bound), abs=1e-12)
+        # Fill and drain each take K-1 extra steps: forwards end at M+K-1, backwards take ratio times as long.
+        assert t.makespan == pytest.approx((1 + ratio) * (m + k - 1), rel=1e-12)
+        assert len(t.cells) == 2 * k * m
+
+
+def _check_dependencies(t):
+    k_stages, m = t.num_stages, t.num_micro_batches
+    f = {(c.stage, c.micro_batch): c for c in t.cells if c.phase == "F"}
+    b = {(c.stage, c.micro_batch): c for c in t.cells if c.phase == "B"}
+    assert len(f) == len(b) == k_stages * m
+    for k in range(k_stages):
+        last_forward = max(f[k, i].end for i in range(m))
+        # GPipe order on a stage, one cell at a time: F 0..M-1 then B M-1..0.
+        order = [f[k, i] for i in range(m)] + [b[k, i] for i in reversed(range(m))]
+        assert t.stage_cells(k) == order
+        for prev, nxt in zip(order, order[1:]):
+            assert nxt.start >= prev.end - 1e-12
+        for i in range(m):
+            if k > 0:
+                assert f[k, i].start >= f[k - 1, i].end - 1e-12
+            assert b[k, i].start >= last_forward - 1e-12
+            upstream = b[k + 1, i] if k < k_stages - 1 else f[k, i]
+            assert b[k, i].start >= upstream.end - 1e-12
+    assert t.makespan == max(c.end for c in t.cells)
+
+
+@pytest.mark.parametrize("k,m,costs,remat", [
+    (1, 3, None, False),
+    (4, 6, None, False),
+    (3, 5, [1.0, 2.5, 0.5], False),
+    (4, 8, [2.0, 1.0, 1.0, 3.0], [True, False, True, False]),
+    (5, 2, [0.3, 0.1, 0.7, 0.2, 0.4], True),
+])
+def test_every_cell_respects_its_dependencies(k, m, costs, remat):
+    t = schedule.predict(k, m, costs, remat=remat)
+    _check_dependencies(t)
+    # The simulation starts each cell as early as allowed: the first forward on stage 0 at time 0 and no
+    # cell later than its latest dependency or its stage's previous cell.
+    assert t.cell(0, 0, "F").start == 0.0
+
+
+def test_forward_clock_tick_is_i_plus_k_for_equal_costs():
+    t = schedule.predict(3, 4)
+    for c in t.cells:
+        if c.phase == "F":
+            assert c.start == c.micro_batch + c.stage
+
+
+def test_unbalanced_stages_match_hand_computation():
+    t = schedule.predict(2, 4, [1, 3])
+    # Stage 1 (cost 3) bottlenecks: its forwards run 1-4, 4-7, 7-10, 10-13; its backwards (cost 6) 13-19, ..,
+    # 31-37; stage 0's last backward (cost 2) follows at 37-39. Busy 12 + 36 of 2 * 39.
+    assert t.makespan == pytest.approx(39.0)
+    assert [(c.start, c.end) for c in t.stage_cells(1)] == [
+        (1, 4), (4, 7), (7, 10), (10, 13), (13, 19), (19, 25), (25, 31), (31, 37)]
+    assert t.cell(0, 3, "B").start == pytest.approx(19.0)
+    assert t.bubble_fraction == pytest.approx(1 - 48 / 78, abs=1e-12)
+    assert t.bubble_fraction > t.ideal_bubble_fraction() + 0.1
+
+
+def test_remat_adds_one_forward_to_each_backward():
+    costs = [1.0, 2.0, 0.5]
+    plain = schedule.predict(3, 4, costs)
+    everywhere = schedule.predict(3, 4, costs, remat=True)
+    some = schedule.predict(3, 4, costs, backward_ratio=1.5, remat=[True, False, True])
+    for c in plain.cells:
+        assert c.end - c.start == pytest.approx(costs[c.stage] * (2.0 if c.phase == "B" else 1.0))
+    for c in everywhere.cells:
+        assert c.end - c.start == pytest.approx(costs[c.stage] * (3.0 if c.phase == "B" else 1.0))
+    for c in some.cells:
+        factor = 1.0 if c.phase == "F" else 1.5 + (1.0 if c.stage != 1 else 0.0)
+        assert c.end - c.start == pytest.approx(costs[c.stage] * factor)
+    assert everywhere.makespan > plain.makespan
+    # Uniform remat scales every backward alike, so equal stages keep the GPipe bound.
+    assert schedule.predict(4, 6, remat=True).bubble_fraction == pytest.approx(3 / 9, abs=1e-12)
+    _check_dependencies(some)
+
+
+def _text_rows(text, k, m):
+    lines = text.split("\n")
+    assert len(lines) == 1 + k
+    width = len(str(m - 1)) + 1
+    rows = []
+    for stage, line in enumerate(lines[1:]):
+        match = re.fullmatch(r"stage +(\d+) \|(.*)\|", line)
+        assert match and int(match.group(1)) == stage, line
+        body = match.group(2)
+        assert len(body) % width == 0
+        rows.append([body[j:j + width] for j in range(0, len(body), width)])
+    return lines[0], rows
+
+
+def test_text_header_rows_and_both_phases_of_every_micro_batch():
+    header, rows = _text_rows(schedule.render_text(schedule.predict(2, 4)), 2, 4)
+    assert header.startswith("GPipe schedule K=2 M=4: bubble 20.0% (bound 20.0%)")
+    assert rows[0] == ["0 ", "1 ", "2 ", "3 ", ". ", ". ", ". ", "3'", "3'", "2'", "2'", "1'", "1'", "0'", "0'"]
+    assert rows[1] == [". ", "0 ", "1 ", "2 ", "3 ", "3'", "3'", "2'", "2'", "1'", "1'", "0'", "0'", ". ", ". "]
+
+
+def test_text_keeps_two_digit_micro_batches_readable():
+    k, m = 3, 12
+    _, rows = _text_rows(schedule.render_text(schedule.predict(k, m, [1, 2, 1])), k, m)
+    for row in rows:
+        forward = {int(c) for c in row if c.endswith(" ") and c.strip() != "."}
+        backward = {int(c[:-1]) for c in row if c.endswith("'")}
+        assert forward == backward == set(range(m))
+        assert all(c.strip() == "." or c.strip(" '").isdigit() for c in row)
+    # The default tick is the shortest cell (1): stage 1's forwards (cost 2) span two columns each.
+    assert rows[1][1:5] == [" 0 ", " 0 ", " 1 ", " 1 "]
+
+
+def test_text_coarser_tick_halves_the_columns():
+    t = schedule.predict(2, 4)
+    _, fine = _text_rows(schedule.render_text(t), 2, 4)
+    _, coarse = _text_rows(schedule.render_text(t, tick=2.0), 2, 4)
+    assert len(fine[0]) == 15 and len(coarse[0]) == 8
+    # Each column shows what runs at its middle (times 1, 3, 5, ...): short forwards may drop out, e.g. F(1, 1).
+    assert coarse[1] == ["0 ", "2 ", "3'", "2'", "1'", "0'", ". ", ". "]
+
+
+def _decoded(png):
+    return tf.io.decode_png(png, channels=3).numpy()
+
+
+def _count_color(image, color):
+    return int(np.all(image == np.array(color, dtype=np.uint8), axis=-1).sum())
+
+
+def test_png_size_and_colors():
+    k, m, px = 3, 5, 20
+    t = schedule.predict(k, m)
+    image = _decoded(schedule.render_png(t, cell_px=px))
+    columns = 3 * (m + k - 1)  # makespan / shortest cell (forward, 1.0)
+    assert image.shape == (k * px + 1, px + columns * px + 1, 3)  # label column is one cell wide here
+    for colors in (schedule.FORWARD_COLORS, schedule.BACKWARD_COLORS):
+        for color in colors:
+            assert _count_color(image, color) > 0
+    assert _count_color(image, schedule.IDLE_COLOR) > 0
+    assert _count_color(image, schedule.GRID_COLOR) > 0
+    assert _count_color(image, schedule.TEXT_COLOR) > 0
+    # F(0, 0) is the first data column of row 0; stage 1 idles there during the fill.
+    assert tuple(image[3, px + 3]) == schedule.FORWARD_COLORS[0]
+    assert tuple(image[px + 3, px + 3]) == schedule.IDLE_COLOR
+    # The last column of stage 0 is the second tick of B(0, 0).
+    assert tuple(image[3, -4]) == schedule.BACKWARD_COLORS[0]
+
+
+def test_png_draws_micro_batch_digits_inside_cells():
+    px = 24
+    t = schedule.predict(1, 2, backward_ratio=1.0)  # columns: F0 F1 B1 B0
+    image = _decoded(schedule.render_png(t, cell_px=px))
+    ink = np.all(image == np.array(schedule.TEXT_COLOR, dtype=np.uint8), axis=-1)
+    cells = [ink[1:px, px * (j + 1) + 1:px * (j + 2)] for j in range(4)]
+    assert all(cell.any() for cell in cells)
+    # Same digit, same glyph: F0 matches B0 and F1 matches B1, while 0 and 1 differ.
+    assert np.array_equal(cells[0], cells[3]) and np.array_equal(cells[1], cells[2])
+    assert not np.array_equal(cells[0], cells[1])
+
+
+def test_image_tensor_for_summaries():
+    t = schedule.predict(2, 3)
+    tensor = schedule.image_tensor(t, cell_px=16)
+    assert tensor.dtype == tf.uint8
+    assert tensor.shape == (1, 2 * 16 + 1, 16 + 12 * 16 + 1, 3)
+    np.testing.assert_array_equal(tensor.numpy()[0], _decoded(schedule.render_png(t, cell_px=16)))
+
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(num_stages=0, num_micro_batches=4), "num_stages=0"),
+    (dict(num_stages=2.0, num_micro_batches=4), "num_stages=2.0"),
+    (dict(num_stages=2, num_micro_batches=-1), "num_micro_batches=-1"),
+    (dict(num_stages=2, num_micro_batches=True), "num_micro_batches=True"),
+    (dict(num_stages=2, num_micro_batches=4, stage_costs=[1.0]), "stage_costs=[1.0]"),
+    (dict(num_stages=2, num_micro_batches=4, stage_costs=[1.0, -2.0]), "stage_costs[1]=-2.0"),
+    (dict(num_stages=2, num_micro_batches=4, stage_costs=[1.0, float("nan")]), "stage_costs[1]=nan"),
+    (dict(num_stages=2, num_micro_batches=4, stage_costs="12"), "stage_costs='12'"),
+    (dict(num_stages=2, num_micro_batches=4, backward_ratio=0), "backward_ratio=0"),
+    (dict(num_stages=2, num_micro_batches=4, remat=[True]), "remat=[True]"),
+    (dict(num_stages=2, num_micro_batches=4, remat=[True, "yes"]), "remat[1]='yes'"),
+    (dict(num_stages=2, num_micro_batches=4, remat="always"), "remat='always'"),
+])
+def test_invalid_predict_arguments_name_the_value(kwargs, names):
+    with pytest.raises(ParamsError, match=re.escape(names)):
+        schedule.predict(**kwargs)
+
+
+def test_invalid_render_arguments_name_the_value():
+    t = schedule.predict(2, 4)
+    with pytest.raises(ParamsError, match=r"tick=-1\.0"):
+        schedule.render_text(t, tick=-1.0)
+    with pytest.raises(ParamsError, match=r"tick=0\.001 would draw 15000 columns"):
+        schedule.render_text(t, tick=0.001)
+    with pytest.raises(ParamsError, match=r"cell_px=4 .*\[8, 256\]"):
+        schedule.render_png(t, cell_px=4)
+    with pytest.raises(ParamsError, match=r"timeline='oops'"):
+        schedule.render_text("oops")
+
+
+def test_default_tick_is_coarsened_for_extreme_cost_spreads():
+    t = schedule.predict(2, 2, [1e-7, 1.0])
+    _, rows = _text_rows(schedule.render_text(t), 2, 2)
+    assert len(rows[0]) <= 4096

@@ -135,7 +135,8 @@ class MultiHeadAttention(BaseLayer):
         k = self._split_heads(ch["key"].fprop(theta["key"], memory, ctx))
         v = self._split_heads(ch["value"].fprop(theta["value"], memory, ctx))
         # Scaling q (Tq * head_dim elements) is cheaper than scaling the logits (Tq * Tk per head).
-        q *= tf.cast(self._head_dim ** -0.5, q.dtype)
+        # A Python float takes q's dtype here; tf.cast of a Python float would round it to float32 first.
+        q *= self._head_dim ** -0.5
         logits = tf.einsum("bqnh,bknh->bnqk", q, k)
         # Half-precision softmax loses the small probabilities; the masked logits also need float32's range.
         compute_dtype = tf.float32 if logits.dtype in _HALF_DTYPES else logits.dtype
@@ -155,7 +156,7 @@ class MultiHeadAttention(BaseLayer):
 
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:
-        """4 * model_dim * heads * head_dim, plus 3 * heads * head_dim + model_dim for the biases."""
+        """4 * model_dim * heads * head_dim, plus 3 * heads * head_dim + model_dim if has_bias."""
         return sum(cp.cls.num_params(cp) for cp in cls._child_params(p).values())
 
     @classmethod
@@ -222,7 +223,7 @@ class FeedForward(BaseLayer):
 
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:
-        """2 * model_dim * hidden_dim, plus hidden_dim + model_dim for the biases."""
+        """2 * model_dim * hidden_dim, plus hidden_dim + model_dim if has_bias."""
         return sum(cp.cls.num_params(cp) for cp in cls._child_params(p).values())
 
     @classmethod

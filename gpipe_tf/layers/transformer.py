@@ -77,8 +77,9 @@ class TransformerEncoderLayer(BaseLayer):
         for name, child_params in self._child_params(self.p).items():
             self.create_child(name, child_params)
 
-    def _residual_block(self, theta: Mapping[str, Any], x: tf.Tensor, block: str, block_fn: Callable[[tf.Tensor], tf.Tensor],
-                        ctx: FPropContext) -> tf.Tensor:
+    def _residual_block(self, theta: Mapping[str, Any], x: tf.Tensor, block: str,
+                        block_fn: Callable[[tf.Tensor], tf.Tensor], ctx: FPropContext) -> tf.Tensor:
+        """One sub-block with its residual: `block` names the '<block>_ln' and '<block>_residual_dropout' children."""
         ln_name, dropout_name = f"{block}_ln", f"{block}_residual_dropout"
         ln, dropout = self.children[ln_name], self.children[dropout_name]
         if self.p.pre_norm:

@@ -30,7 +30,8 @@ flags.DEFINE_integer("max_steps", None, "Train up to this global step (overrides
 flags.DEFINE_string("params", "", "Dotted Params overrides, e.g. 'train.learning_rate=0.1,train.seed=3'.")
 flags.DEFINE_multi_string("gin_file", [], "Gin files binding experiment knobs.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'BlobsMlp.hidden_dims=(128, 128)'.")
-flags.DEFINE_integer("logical_devices", None, "Split the CPU into this many logical devices before TF starts.")
+flags.DEFINE_integer("logical_devices", None, "Split the CPU into this many logical devices before TF starts "
+                     "(default: the experiment's logical_devices).")
 flags.DEFINE_bool("list_models", False, "Print every registered experiment key and exit.")
 
 
@@ -50,13 +51,15 @@ def _main(argv: list[str]) -> None:
         return
     if not FLAGS.model:
         _fail("--model is required; run with --list_models to see the registered keys")
-    if FLAGS.logical_devices:
-        from gpipe_tf import devices
-        devices.split_cpu(FLAGS.logical_devices)
     overrides = FLAGS.params
     if FLAGS.max_steps is not None:
         overrides = f"{overrides},train.max_steps={FLAGS.max_steps}" if overrides else f"train.max_steps={FLAGS.max_steps}"
     params, gin_config = experiment.resolve_params(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
+    # Resolving Params runs no TensorFlow op, so the CPU can still be split here.
+    num_devices = FLAGS.logical_devices or params.logical_devices
+    if num_devices:
+        from gpipe_tf import devices
+        devices.split_cpu(num_devices)
     if FLAGS.mode == "inspect_params":
         print(params.to_text())
         return

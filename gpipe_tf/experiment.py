@@ -25,6 +25,9 @@ DATASETS = ("train", "dev", "test")
 class Experiment:
     """Base class of experiments. Subclasses set knobs as class attributes and override the Params methods."""
 
+    # Knob: split the CPU into this many logical devices at start-up (pipelines on a machine without GPUs).
+    logical_devices: int | None = None
+
     def __init__(self, **knobs: Any) -> None:
         allowed = self.knobs()
         for name, value in knobs.items():
@@ -86,6 +89,8 @@ class Experiment:
             inputs.define(name, getattr(self, f"{name}_input")(), f"Input Params of the {name} dataset.")
         root.define("input", inputs, "Input generators, one per dataset.")
         root.define("eval", self.eval_params(), "Evaluation settings.")
+        root.define("logical_devices", self.logical_devices,
+                    "Split the CPU into this many logical devices at start-up; None: leave it whole.")
         return root
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.training import checkpoints
+from gpipe_tf.training import checkpoints, pipeline_report
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner
 from gpipe_tf.training.summaries import SummaryWriter
@@ -60,6 +60,7 @@ class Controller:
         writer = SummaryWriter(self.logdir, "train")
         if step == 0:
             writer.text(0, "params", self.params.to_text())
+        pipeline_report.write(self.task, self.logdir, writer, step, self.log)
         batch_size = self.params.input.train.batch_size
         metrics: dict[str, tf.Tensor] = {}
         start_step, start_time = step, time.perf_counter()

@@ -27,6 +27,11 @@ class SummaryWriter:
             # Four-space indentation makes TensorBoard render the text verbatim.
             tf.summary.text(name, "\n".join("    " + line for line in text.splitlines()))
 
+    def image(self, step: int, name: str, image: tf.Tensor) -> None:
+        """Writes a uint8 image batch [N, H, W, C] (shown in TensorBoard's Images tab)."""
+        with self._writer.as_default(step=step):
+            tf.summary.image(name, image)
+
     def flush(self) -> None:
         """Flushes pending events to disk."""
         self._writer.flush()

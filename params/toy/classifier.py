@@ -19,6 +19,9 @@ class BlobsMlp(Experiment):
     learning_rate = 3e-3
     max_steps = 300
     dtype = "float32"
+    num_stages = 1
+    num_micro_batches = 1
+    remat = "never"
 
     def task(self) -> InstantiableParams:
         """An MLP body (Linear+ReLU+Dropout per hidden layer) and a softmax."""
@@ -33,7 +36,12 @@ class BlobsMlp(Experiment):
             layers.append(Linear.params().set(name=f"fc{i}", input_dim=d_in, output_dim=d_out, activation="relu"))
             layers.append(Dropout.params().set(name=f"dropout{i}", rate=self.dropout_rate))
         p = ClassifierTask.params().set(name="classifier", dtype=self.dtype)
-        p.network = Sequential.params().set(layers=layers)
+        if self.num_stages == 1 and self.num_micro_batches == 1:
+            p.network = Sequential.params().set(layers=layers)
+        else:
+            from gpipe_tf.gpipe.pipeline import GPipe
+            p.network = GPipe.params().set(layers=layers, num_stages=self.num_stages,
+                                           num_micro_batches=self.num_micro_batches, remat=self.remat)
         p.softmax.set(input_dim=dims[-1], num_classes=self.num_classes)
         return p
 
@@ -62,3 +70,14 @@ class BlobsMlp(Experiment):
         p.set(max_steps=self.max_steps, learning_rate=self.learning_rate, summary_interval_steps=10,
               log_interval_steps=50, save_interval_steps=100)
         return p
+
+
+@model_registry.register
+class BlobsMlpGPipe(BlobsMlp):
+    """The same classifier as a 2-stage GPipe pipeline over 4 micro-batches on 2 logical CPU devices."""
+
+    hidden_dims = (64, 64, 64)
+    num_stages = 2
+    num_micro_batches = 4
+    remat = "always"
+    logical_devices = 2

@@ -1,0 +1,57 @@
+"""Writes what a run's pipelines look like: partition table and predicted schedule, as files and summaries.
+
+For every GPipe layer in the task: `logdir/partition.txt` (stage, layers, params, device, cost),
+`logdir/schedule.txt` and `logdir/schedule.png` (the predicted fill-drain timeline with its bubble fraction),
+and the same as TensorBoard text and image summaries in `logdir/train`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import tensorflow as tf
+
+from gpipe_tf.gpipe import remat, schedule
+from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.training.summaries import SummaryWriter
+
+
+def pipelines(module: tf.Module) -> list[GPipe]:
+    """Every GPipe layer inside `module` (itself included)."""
+    found = [module] if isinstance(module, GPipe) else []
+    return found + [m for m in module.submodules if isinstance(m, GPipe)]
+
+
+def predicted_timeline(pipe: GPipe) -> schedule.Timeline:
+    """The fill-drain timeline predicted from the pipeline's per-stage costs and remat policy."""
+    costs = [max(row.cost, 1e-12) for row in pipe.partition_rows]
+    total = sum(costs)
+    costs = [c / total for c in costs] if total > 0 else [1.0] * len(costs)
+    k = pipe.p.num_stages
+    return schedule.predict(k, pipe.p.num_micro_batches, costs,
+                            remat=[remat.stage_uses_remat(pipe.p.remat, s, k) for s in range(k)])
+
+
+def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: Callable[[str], None]) -> None:
+    """Writes the partition table and the schedule picture of each pipeline; logs the table."""
+    pipes = pipelines(task)
+    if not pipes:
+        return
+    tables, texts = [], []
+    for pipe in pipes:
+        timeline = predicted_timeline(pipe)
+        tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat}\n"
+                      + pipe.partition_table())
+        texts.append(f"# {pipe.path}\n" + schedule.render_text(timeline))
+        png_name = "schedule.png" if len(pipes) == 1 else f"schedule_{pipe.path.replace('/', '.')}.png"
+        with open(os.path.join(logdir, png_name), "wb") as f:
+            f.write(schedule.render_png(timeline))
+        writer.image(step, f"schedule/{pipe.path}", schedule.image_tensor(timeline))
+    table_text, schedule_text = "\n\n".join(tables), "\n\n".join(texts)
+    for name, text in (("partition.txt", table_text), ("schedule.txt", schedule_text)):
+        with open(os.path.join(logdir, name), "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    writer.text(step, "partition", table_text)
+    writer.text(step, "schedule", schedule_text)
+    log(table_text)

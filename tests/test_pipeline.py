@@ -59,12 +59,15 @@ def conv_layers(dtype):
     return [PairConv.params().set(in_ch=a, out_ch=b, stride=s) for a, b, s in zip(chans[:-1], chans[1:], strides)]
 
 
-def build(layers, dtype, k=None, m=1, remat="never", balance=None):
+SCHEDULES = ["unrolled", "loop"]
+
+
+def build(layers, dtype, k=None, m=1, remat="never", balance=None, schedule="unrolled"):
     if k is None:
         p = Sequential.params().set(name="net", dtype=dtype, layers=layers)
     else:
         p = GPipe.params().set(name="net", dtype=dtype, layers=layers, num_stages=k, num_micro_batches=m,
-                               remat=remat, balance=balance, devices=DEVICES[:k])
+                               remat=remat, balance=balance, devices=DEVICES[:k], schedule=schedule)
     return p.instantiate()
 
 
@@ -96,40 +99,45 @@ def mlp_reference():
     return x, loss_and_grads(build(mlp_layers("float64"), "float64"), x)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
-def test_mlp_float64_equals_unpipelined(mlp_reference, k, m):
+def test_mlp_float64_equals_unpipelined(mlp_reference, k, m, schedule):
     x, ref = mlp_reference
-    got = loss_and_grads(build(mlp_layers("float64"), "float64", k, m, remat="always" if m % 2 else "never"), x)
+    remat = ["always", "never", "except_last"][(k + m) % 3]
+    got = loss_and_grads(build(mlp_layers("float64"), "float64", k, m, remat, schedule=schedule), x)
     assert_same(got, ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("k,m,remat", [(2, 4, "never"), (4, 8, "except_last"), (3, 3, "always")])
-def test_mlp_float32_equals_unpipelined(k, m, remat):
+def test_mlp_float32_equals_unpipelined(k, m, remat, schedule):
     x = tf.constant(np.random.default_rng(2).normal(size=(BATCH, 6)).astype(np.float32))
     ref = loss_and_grads(build(mlp_layers("float32"), "float32"), x)
-    assert_same(loss_and_grads(build(mlp_layers("float32"), "float32", k, m, remat), x), ref, rtol=1e-5,
+    assert_same(loss_and_grads(build(mlp_layers("float32"), "float32", k, m, remat, schedule=schedule), x), ref, rtol=1e-5,
                 atol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("k,m,remat", [(1, 1, "never"), (2, 4, "always"), (3, 8, "except_last"), (4, 2, "never"),
                                        (4, 8, "always")])
-def test_conv_pair_stack_changes_shape_and_equals_unpipelined(k, m, remat):
+def test_conv_pair_stack_changes_shape_and_equals_unpipelined(k, m, remat, schedule):
     rng = np.random.default_rng(3)
     x = (tf.constant(rng.normal(size=(BATCH, 8, 8, 2))), tf.constant(rng.normal(size=(BATCH, 8, 8, 2))))
     ref = loss_and_grads(build(conv_layers("float64"), "float64"), x)
-    got = loss_and_grads(build(conv_layers("float64"), "float64", min(k, 5), m, remat), x)
+    got = loss_and_grads(build(conv_layers("float64"), "float64", min(k, 5), m, remat, schedule=schedule), x)
     assert_same(got, ref, rtol=1e-10, atol=1e-12)
 
 
-def test_dropout_masks_do_not_depend_on_k_or_remat():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dropout_masks_do_not_depend_on_k_or_remat(schedule):
     x = tf.constant(np.random.default_rng(4).normal(size=(BATCH, 6)))
     seed = tf.constant([5, 6], tf.int64)
     layers = mlp_layers("float64", dropout=0.1, depth=4)
-    base = loss_and_grads(build(layers, "float64", 1, 4, "never"), x, seed)
-    assert_same(loss_and_grads(build(layers, "float64", 4, 4, "never"), x, seed), base, rtol=0, atol=1e-13)
-    assert_same(loss_and_grads(build(layers, "float64", 4, 4, "always"), x, seed), base, rtol=0, atol=1e-13)
-    assert_same(loss_and_grads(build(layers, "float64", 2, 4, "except_last"), x, seed), base, rtol=0, atol=1e-13)
+    base = loss_and_grads(build(layers, "float64", 1, 4, "never", schedule="loop"), x, seed)
+    for k, remat in [(4, "never"), (4, "always"), (2, "except_last")]:
+        got = loss_and_grads(build(layers, "float64", k, 4, remat, schedule=schedule), x, seed)
+        assert_same(got, base, rtol=0, atol=1e-13)
     no_dropout = loss_and_grads(build(mlp_layers("float64", depth=4), "float64", 1, 4), x)
     assert abs(no_dropout[0] - base[0]) > 1e-6  # dropout really acted
 
@@ -164,7 +172,7 @@ def test_graph_does_not_grow_with_m():
     layers = mlp_layers("float32", depth=4)
     sizes = []
     for m in (2, 4, 8, 12):
-        layer = build(layers, "float32", 2, m, "always")
+        layer = build(layers, "float32", 2, m, "always", schedule="loop")
 
         @tf.function
         def step(x, layer=layer):
@@ -176,8 +184,8 @@ def test_graph_does_not_grow_with_m():
     assert len(set(sizes)) == 1, sizes
 
 
-def test_each_stage_backward_is_placed_on_its_device():
-    layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, "always")
+def test_loop_schedule_places_each_stage_backward_on_its_device():
+    layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, "always", schedule="loop")
 
     @tf.function
     def step(x):
@@ -201,3 +209,23 @@ def test_partition_table_lists_stages():
     table = layer.partition_table()
     assert layer.balance == [2, 2]
     assert "layer_0 .. layer_1 (2)" in table and "/device:CPU:1" in table and "84" in table
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_unrolled_schedule_places_every_matmul_on_its_stage(remat):
+    layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, remat)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec([BATCH, 6])).graph
+    matmuls = [op for op in graph.get_operations() if op.type == "MatMul"]
+    forward = {"never": 4, "always": 8}[remat]  # per micro-batch: forward (+ recompute) matmuls
+    assert len(matmuls) == 4 * (forward + 8)
+    assert {op.device for op in matmuls} == {"/device:CPU:0", "/device:CPU:1"}
+    for op in matmuls:
+        stage = int(op.device[-1])
+        assert f"_stage{stage}" in op.name, (op.name, op.device)

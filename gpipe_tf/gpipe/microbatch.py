@@ -22,12 +22,25 @@ def valid_micro_batch_counts(size: int) -> list[int]:
     return [m for m in range(1, size + 1) if size % m == 0]
 
 
-def split(structure: Any, num_micro_batches: int) -> Any:
-    """Reshapes every tensor [B, ...] to [M, B/M, ...]; the loop then reads micro-batch i with t[i]."""
+def check_divisible(structure: Any, num_micro_batches: int) -> int:
+    """Returns the batch size; a size that M does not divide is an error naming the valid M."""
     size = batch_size(structure)
     if size % num_micro_batches:
         raise ParamsError(f"batch size {size} is not divisible by num_micro_batches={num_micro_batches}; valid "
                           f"values: {valid_micro_batch_counts(size)}")
+    return size
+
+
+def split_list(structure: Any, num_micro_batches: int) -> list[Any]:
+    """M structures, micro-batch i holding rows [i*B/M, (i+1)*B/M) of every tensor."""
+    check_divisible(structure, num_micro_batches)
+    parts = [tf.split(t, num_micro_batches, axis=0) for t in tf.nest.flatten(structure)]
+    return [tf.nest.pack_sequence_as(structure, [p[i] for p in parts]) for i in range(num_micro_batches)]
+
+
+def split(structure: Any, num_micro_batches: int) -> Any:
+    """Reshapes every tensor [B, ...] to [M, B/M, ...]; the loop then reads micro-batch i with t[i]."""
+    size = check_divisible(structure, num_micro_batches)
     m = num_micro_batches
     return tf.nest.map_structure(lambda t: tf.reshape(t, tf.concat([[m, size // m], tf.shape(t)[1:]], 0)),
                                  structure)

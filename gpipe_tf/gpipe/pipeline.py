@@ -25,9 +25,12 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import microbatch, partition, placement, remat
+from gpipe_tf.gpipe import loop_scheduler, microbatch, partition, placement, remat, unrolled_scheduler
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+
+
+SCHEDULERS = {"unrolled": unrolled_scheduler.run, "loop": loop_scheduler.run}
 
 
 class GPipe(BaseLayer):
@@ -49,8 +52,11 @@ class GPipe(BaseLayer):
         p.define("remat", "never", f"Rematerialization policy: one of {remat.POLICIES}.")
         p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
         p.define("devices", None, "Explicit device strings, one per stage; overrides device_kind.")
-        p.define("parallel_iterations", 0, "Micro-batches in flight at once in the loops; 0: K (enough to "
-                 "keep every stage busy).")
+        p.define("schedule", "unrolled", f"How the fill-drain schedule is built: one of {tuple(SCHEDULERS)}. "
+                 "'unrolled': every (stage, micro-batch) step is its own placed op group with an explicit backward "
+                 "order; fastest across devices, graph grows with M. 'loop': a while loop over micro-batches; "
+                 "graph constant in M, but the loop's state (weight-gradient sums) lives on one device.")
+        p.define("parallel_iterations", 0, "schedule='loop': micro-batches in flight at once; 0: K.")
         return p
 
     def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
@@ -67,6 +73,8 @@ class GPipe(BaseLayer):
             raise ParamsError(f"{self.path}.num_micro_batches={p.num_micro_batches} must be >= 1")
         for stage in range(k):
             remat.stage_uses_remat(p.remat, stage, k)  # validates the policy name
+        if p.schedule not in SCHEDULERS:
+            raise ParamsError(f"{self.path}.schedule={p.schedule!r} is not one of {tuple(SCHEDULERS)}")
         if p.devices is not None and len(p.devices) != k:
             raise ParamsError(f"{self.path}.devices has {len(p.devices)} entries; give one per stage ({k})")
         self.devices = list(p.devices) if p.devices is not None else placement.stage_devices(k, p.device_kind)
@@ -147,55 +155,22 @@ class GPipe(BaseLayer):
             inputs = self._run_stage(stage, theta, inputs, ctx)
         return inputs
 
+    def micro_batch_context(self, ctx: FPropContext, index: Any, collect_aux: bool) -> FPropContext:
+        """The context of micro-batch `index`: the step's seed folded with the index, its own aux dict."""
+        seed = None if ctx.seed is None else tf.random.experimental.stateless_fold_in(
+            tf.cast(ctx.seed, tf.int64), tf.cast(index, tf.int64))
+        return FPropContext(training=ctx.training, seed=seed, aux={} if collect_aux else None)
+
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         """Runs the pipeline on a mini-batch (any nested structure with a common leading batch dimension)."""
-        k, m = self.p.num_stages, self.p.num_micro_batches
-        with tf.device(self.devices[0]):
-            micro_batches = microbatch.split(inputs, m)
-        # Weights enter the loop as tensors read once on their stage's device.
+        microbatch.check_divisible(inputs, self.p.num_micro_batches)
+        # Weights are read once per step on their stage's device and enter the schedule as tensors.
         stage_theta = []
         for stage, names in enumerate(self.stage_layers):
             with tf.device(self.devices[stage]):
                 stage_theta.append({n: tf.nest.map_structure(tf.identity, theta[n]) for n in names})
-        out_spec = self._output_structure(
-            tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro_batches))
-        flat_spec = tf.nest.flatten(out_spec)
-        use_remat = [remat.stage_uses_remat(self.p.remat, s, k) for s in range(k)]
-        # Batch norm statistics are summed over micro-batches in loop state and reported once for the step.
-        aux_spec = self.aux_stats_spec() if ctx.training and ctx.aux is not None else {}
-        flat_aux_spec = tf.nest.flatten(aux_spec)
-        num_aux = len(flat_aux_spec)
-
-        def body(i: tf.Tensor, *state: Any) -> tuple:
-            aux_sums, arrays = state[:num_aux], state[num_aux:]
-            with tf.device(self.devices[0]):
-                x = tf.nest.map_structure(lambda t: t[i], micro_batches)
-            seed = None if ctx.seed is None else tf.random.experimental.stateless_fold_in(
-                tf.cast(ctx.seed, tf.int64), tf.cast(i, tf.int64))
-            micro_ctx = FPropContext(training=ctx.training, seed=seed, aux={} if aux_spec else None)
-            for stage in range(k):
-                with placement.on_stage(self.stage_scopes[stage]):
-                    def run(theta_s: Any, x_s: Any, stage: int = stage) -> Any:
-                        return self._run_stage(stage, theta_s, x_s, micro_ctx)
-                    x = remat.rematerialize(run, stage_theta[stage], x) if use_remat[stage] else run(
-                        stage_theta[stage], x)
-            with tf.device(self.devices[-1]):
-                arrays = tuple(a.write(i, leaf) for a, leaf in zip(arrays, tf.nest.flatten(x)))
-                if aux_spec:
-                    stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec})
-                    aux_sums = tuple(total + s for total, s in zip(aux_sums, stats))
-            return (i + 1, *aux_sums, *arrays)
-
-        with tf.device(self.devices[-1]):
-            arrays = tuple(tf.TensorArray(s.dtype, size=m, element_shape=s.shape) for s in flat_spec)
-            aux_zeros = tuple(tf.zeros(s.shape, s.dtype) for s in flat_aux_spec)
-        _, *state = tf.while_loop(lambda i, *_: i < m, body, (tf.constant(0), *aux_zeros, *arrays),
-                                  parallel_iterations=self.p.parallel_iterations or k)
-        if aux_spec:
-            ctx.aux.update(tf.nest.pack_sequence_as(aux_spec, state[:num_aux]))
-        with tf.device(self.devices[-1]):
-            flat_out = [microbatch.merge(a.stack()) for a in state[num_aux:]]
-        return tf.nest.pack_sequence_as(out_spec, flat_out)
+        scheduler = SCHEDULERS[self.p.schedule]
+        return scheduler(self, stage_theta, inputs, ctx)
 
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:

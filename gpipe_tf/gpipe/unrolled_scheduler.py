@@ -1,0 +1,127 @@
+"""The unrolled schedule: every (stage, micro-batch) step placed explicitly, backward in GPipe's order.
+
+The whole pipeline is one `tf.custom_gradient` op. Its forward runs F(k, i) for every micro-batch i and stage k
+under stage k's device and name scope. A stage without rematerialization records its forward on a tape of its own
+(the activations stay alive until its backward); a rematerialized stage keeps only its input. The backward,
+called by the task's ordinary `tape.gradient` with the gradient of the loss with respect to the pipeline's output,
+runs B(k, i) for micro-batches M-1 .. 0 and stages K-1 .. 0, each on its stage's device: it recomputes the stage's
+forward if needed, takes the gradient of that one stage, adds the weight gradient to the stage's running sum and
+hands the input gradient to stage k-1. A control dependency makes B(k, i) wait for B(k, i+1)'s running sum, so a
+stage holds one partial weight gradient at a time and works in GPipe's order; nothing of the backward can start
+before the last forward ends, since the loss gradient needs the whole output.
+
+Every op is placed on its stage's device, weight gradients are summed on that device, and the only transfers are
+stage-boundary activations and their gradients, which makes this the schedule to use across processes, hosts and
+GPUs. Its graph is unrolled over M (about twice the ops of one step per micro-batch and stage); the loop
+schedule keeps the graph constant in M instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from gpipe_tf.gpipe import microbatch, placement, remat
+from gpipe_tf.layers.base_layer import FPropContext
+
+
+def _is_float(t: tf.Tensor) -> bool:
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
+def _float_leaves(structure: Any) -> list[tf.Tensor]:
+    return [t for t in tf.nest.flatten(structure) if _is_float(t)]
+
+
+def _with_float_leaves(structure: Any, floats: list[tf.Tensor]) -> Any:
+    it = iter(floats)
+    return tf.nest.pack_sequence_as(structure, [next(it) if _is_float(t) else t
+                                                for t in tf.nest.flatten(structure)])
+
+
+def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> Any:
+    """Runs `pipe` (a GPipe layer) as an unrolled, explicitly placed schedule; see the module doc."""
+    k, m = pipe.p.num_stages, pipe.p.num_micro_batches
+    use_remat = [remat.stage_uses_remat(pipe.p.remat, s, k) for s in range(k)]
+    aux_spec = pipe.aux_stats_spec() if ctx.training and ctx.aux is not None else {}
+    flat_inputs = _float_leaves(inputs)
+    flat_theta = [tf.nest.flatten(t) for t in stage_theta]
+    sizes = [len(f) for f in flat_theta]
+    output: dict[str, Any] = {}
+
+    @tf.custom_gradient
+    def pipeline(*args: tf.Tensor) -> Any:
+        theta_args, start = [], len(flat_inputs)
+        for size in sizes:
+            theta_args.append(list(args[start:start + size]))
+            start += size
+        thetas = [tf.nest.pack_sequence_as(stage_theta[s], theta_args[s]) for s in range(k)]
+        with tf.device(pipe.devices[0]):
+            micro = microbatch.split_list(_with_float_leaves(inputs, list(args[:len(flat_inputs)])), m)
+        # records[s][i] = (stage input, tape or None, stage output)
+        records: list[list[Any]] = [[None] * m for _ in range(k)]
+        outs, aux_parts = [], []
+        for i in range(m):
+            micro_ctx = pipe.micro_batch_context(ctx, i, bool(aux_spec))
+            h = micro[i]
+            for s in range(k):
+                with placement.on_stage(pipe.stage_scopes[s]):
+                    if use_remat[s]:
+                        y, tape = pipe._run_stage(s, thetas[s], h, micro_ctx), None
+                    else:
+                        tape = tf.GradientTape(watch_accessed_variables=False)
+                        with tape:
+                            tape.watch(_float_leaves(h) + theta_args[s])
+                            y = pipe._run_stage(s, thetas[s], h, micro_ctx)
+                records[s][i] = (h, tape, y)
+                h = y
+            outs.append(h)
+            if aux_spec:
+                aux_parts.append(micro_ctx.aux)
+        with tf.device(pipe.devices[-1]):
+            flat_outs = [tf.concat(parts, axis=0) for parts in zip(*[tf.nest.flatten(o) for o in outs])]
+            if aux_spec:
+                output["aux"] = {path: tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)),
+                                                             *[part[path] for part in aux_parts])
+                                 for path in aux_spec}
+        output["structure"] = outs[0]
+
+        def grad_fn(*upstream: tf.Tensor) -> list[Any]:
+            out_is_float = [_is_float(t) for t in tf.nest.flatten(outs[0])]
+            with tf.device(pipe.devices[-1]):
+                float_upstream = [tf.split(g, m, axis=0) for g, f in zip(upstream, out_is_float) if f]
+            sums: list[list[tf.Tensor] | None] = [None] * k
+            input_grads = []
+            for i in reversed(range(m)):
+                dy = [parts[i] for parts in float_upstream]
+                recompute_ctx = pipe.micro_batch_context(ctx, i, False)
+                for s in reversed(range(k)):
+                    h, tape, y = records[s][i]
+                    with placement.on_stage(pipe.stage_scopes[s]):
+                        # B(k, i) after B(k, i+1): one partial weight gradient per stage at a time.
+                        with tf.control_dependencies(sums[s] or []):
+                            h_float = [tf.identity(t) for t in _float_leaves(h)]
+                            if tape is None:
+                                tape = tf.GradientTape(watch_accessed_variables=False)
+                                with tape:
+                                    tape.watch(h_float + theta_args[s])
+                                    y = pipe._run_stage(s, thetas[s], _with_float_leaves(h, h_float), recompute_ctx)
+                            else:
+                                h_float = _float_leaves(h)
+                            grads = tape.gradient(_float_leaves(y), h_float + theta_args[s], output_gradients=dy,
+                                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                        weight_grads = grads[len(h_float):]
+                        sums[s] = weight_grads if sums[s] is None else [a + g for a, g in zip(sums[s], weight_grads)]
+                        dy = grads[:len(h_float)]
+                input_grads.append(dy)
+            with tf.device(pipe.devices[0]):
+                dx = [tf.concat(parts[::-1], axis=0) for parts in zip(*input_grads)] if flat_inputs else []
+            return dx + [g for s in range(k) for g in sums[s]]
+
+        return flat_outs, grad_fn
+
+    flat_out = pipeline(*flat_inputs, *[t for f in flat_theta for t in f])
+    if aux_spec:
+        ctx.aux.update(output["aux"])
+    return tf.nest.pack_sequence_as(output["structure"], list(flat_out))

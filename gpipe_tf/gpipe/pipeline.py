@@ -36,6 +36,9 @@ SCHEDULERS = {"unrolled": unrolled_scheduler.run, "loop": loop_scheduler.run}
 class GPipe(BaseLayer):
     """Runs `layers` as a K-stage pipeline over M micro-batches; numerically the same as running them in order."""
 
+    # Gradient accumulators are scratch space, not model state: kept out of checkpoints and variable lists.
+    _TF_MODULE_IGNORED_PROPERTIES = frozenset(("gradient_sums",)) | BaseLayer._TF_MODULE_IGNORED_PROPERTIES
+
     @classmethod
     def params(cls) -> InstantiableParams:
         """Default Params: the layer list, K, M, balance, remat and devices."""
@@ -56,6 +59,9 @@ class GPipe(BaseLayer):
                  "'unrolled': every (stage, micro-batch) step is its own placed op group with an explicit backward "
                  "order; fastest across devices, graph grows with M. 'loop': a while loop over micro-batches; "
                  "graph constant in M, but the loop's state (weight-gradient sums) lives on one device.")
+        p.define("input_gradients", "auto", "schedule='unrolled': compute the gradient of the pipeline's input? "
+                 "'auto': only if the input is computed from variables (a data batch needs none); True when you "
+                 "watch the input yourself (e.g. saliency maps).")
         p.define("parallel_iterations", 0, "schedule='loop': micro-batches in flight at once; 0: K.")
         return p
 
@@ -95,6 +101,18 @@ class GPipe(BaseLayer):
             start += size
         counts = [sum(v.shape.num_elements() for n in names for v in self.children[n].trainable_variables)
                   for names in self.stage_layers]
+        # One gradient sum per weight, on its stage's device, allocated once: the unrolled schedule adds each
+        # micro-batch's gradient into it in place.
+        sums: list[list[tf.Variable]] = []
+        # object.__setattr__ bypasses checkpoint tracking; the ignored-properties set hides them from .variables.
+        object.__setattr__(self, "gradient_sums", sums)
+        if p.schedule == "unrolled":
+            for stage, names in enumerate(self.stage_layers):
+                with tf.device(self.devices[stage]):
+                    flat = tf.nest.flatten({n: self.children[n].theta for n in names})
+                    sums.append([tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                             name=f"{self.path}/gradient_sum_{stage}_{j}")
+                                 for j, v in enumerate(flat)])
         self.partition_rows = [
             partition.StageInfo(stage=s, layers=names, params=counts[s], device=self.devices[s],
                                 cost=sum(self.costs[int(n.split("_")[1])] for n in names))

@@ -5,10 +5,11 @@ under stage k's device and name scope. A stage without rematerialization records
 (the activations stay alive until its backward); a rematerialized stage keeps only its input. The backward,
 called by the task's ordinary `tape.gradient` with the gradient of the loss with respect to the pipeline's output,
 runs B(k, i) for micro-batches M-1 .. 0 and stages K-1 .. 0, each on its stage's device: it recomputes the stage's
-forward if needed, takes the gradient of that one stage, adds the weight gradient to the stage's running sum and
-hands the input gradient to stage k-1. A control dependency makes B(k, i) wait for B(k, i+1)'s running sum, so a
-stage holds one partial weight gradient at a time and works in GPipe's order; nothing of the backward can start
-before the last forward ends, since the loss gradient needs the whole output.
+forward if needed, takes the gradient of that one stage, adds the weight gradient in place into the stage's
+gradient sums (variables allocated once, next to the weights) and hands the input gradient to stage k-1. A control
+dependency makes B(k, i) wait for B(k, i+1)'s additions, so a stage holds one partial weight gradient at a time
+and works in GPipe's order; nothing of the backward can start before the last forward ends, since the loss
+gradient needs the whole output.
 
 Every op is placed on its stage's device, weight gradients are summed on that device, and the only transfers are
 stage-boundary activations and their gradients, which makes this the schedule to use across processes, hosts and
@@ -38,6 +39,37 @@ def _with_float_leaves(structure: Any, floats: list[tf.Tensor]) -> Any:
     it = iter(floats)
     return tf.nest.pack_sequence_as(structure, [next(it) if _is_float(t) else t
                                                 for t in tf.nest.flatten(structure)])
+
+
+_VARIABLE_OPS = {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarHandleOp", "VariableV2"}
+
+
+def _depends_on_variables(tensors: list[tf.Tensor], max_ops: int = 10000) -> bool:
+    """Whether any of `tensors` is computed from a variable (so its gradient can matter), in graph mode.
+
+    Walks the producing ops backwards. Function arguments and constants (input batches) end the walk; eagerly,
+    or when the graph is too large to walk, the answer is conservatively True.
+    """
+    if tf.executing_eagerly():
+        return bool(tensors)
+    seen: set[int] = set()
+    stack = []
+    for t in tensors:
+        try:
+            stack.append(t.op)
+        except AttributeError:  # an eager tensor captured by the function: a constant
+            continue
+    while stack:
+        op = stack.pop()
+        if id(op) in seen:
+            continue
+        seen.add(id(op))
+        if op.type in _VARIABLE_OPS or len(seen) > max_ops:
+            return True
+        if op.type == "Placeholder" and op.outputs[0].dtype == tf.resource:
+            return True
+        stack.extend(t.op for t in op.inputs)
+    return False
 
 
 def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> Any:
@@ -91,16 +123,21 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
             out_is_float = [_is_float(t) for t in tf.nest.flatten(outs[0])]
             with tf.device(pipe.devices[-1]):
                 float_upstream = [tf.split(g, m, axis=0) for g, f in zip(upstream, out_is_float) if f]
-            sums: list[list[tf.Tensor] | None] = [None] * k
+            # updates[s]: the last in-place additions into stage s's gradient sums (pipe.gradient_sums[s]).
+            updates: list[list[Any] | None] = [None] * k
             input_grads = []
+            wanted = pipe.p.input_gradients
+            needs_input_grad = _depends_on_variables(flat_inputs) if wanted == "auto" else bool(wanted)
             for i in reversed(range(m)):
                 dy = [parts[i] for parts in float_upstream]
                 recompute_ctx = pipe.micro_batch_context(ctx, i, False)
                 for s in reversed(range(k)):
                     h, tape, y = records[s][i]
                     with placement.on_stage(pipe.stage_scopes[s]):
-                        # B(k, i) after B(k, i+1): one partial weight gradient per stage at a time.
-                        with tf.control_dependencies(sums[s] or []):
+                        # B(k, i) after B(k, i+1): one partial weight gradient per stage at a time. Waiting for dy
+                        # also keeps the recomputation distinct from the forward pass (no common-subexpression
+                        # merge), so rematerialized activations really are freed in between.
+                        with tf.control_dependencies((updates[s] or []) + dy):
                             h_float = [tf.identity(t) for t in _float_leaves(h)]
                             if tape is None:
                                 tape = tf.GradientTape(watch_accessed_variables=False)
@@ -109,15 +146,27 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
                                     y = pipe._run_stage(s, thetas[s], _with_float_leaves(h, h_float), recompute_ctx)
                             else:
                                 h_float = _float_leaves(h)
-                            grads = tape.gradient(_float_leaves(y), h_float + theta_args[s], output_gradients=dy,
+                            # A data batch needs no gradient: skip stage 0's input gradient (a whole matmul per layer
+                            # input) unless something trainable produced the pipeline's input.
+                            wrt = h_float if s > 0 or needs_input_grad else []
+                            grads = tape.gradient(_float_leaves(y), wrt + theta_args[s], output_gradients=dy,
                                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                        weight_grads = grads[len(h_float):]
-                        sums[s] = weight_grads if sums[s] is None else [a + g for a, g in zip(sums[s], weight_grads)]
-                        dy = grads[:len(h_float)]
+                        weight_grads = grads[len(wrt):]
+                        add = "assign" if updates[s] is None else "assign_add"  # the first one needs no zeroing
+                        updates[s] = [getattr(acc, add)(g, read_value=False)
+                                      for acc, g in zip(pipe.gradient_sums[s], weight_grads)]
+                        dy = grads[:len(wrt)]
                 input_grads.append(dy)
             with tf.device(pipe.devices[0]):
-                dx = [tf.concat(parts[::-1], axis=0) for parts in zip(*input_grads)] if flat_inputs else []
-            return dx + [g for s in range(k) for g in sums[s]]
+                if needs_input_grad:
+                    dx = [tf.concat(parts[::-1], axis=0) for parts in zip(*input_grads)]
+                else:
+                    dx = [tf.zeros_like(t) for t in flat_inputs]
+            sums = []
+            for s in range(k):
+                with tf.device(pipe.devices[s]), tf.control_dependencies(updates[s]):
+                    sums += [acc.read_value() for acc in pipe.gradient_sums[s]]
+            return dx + sums
 
         return flat_outs, grad_fn
 

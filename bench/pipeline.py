@@ -1,0 +1,244 @@
+"""Pipeline benchmark: efficiency, remat cost, memory and compile cost of GPipe on this machine.
+
+Speed is measured on faithful devices: K single-thread TF worker processes on 127.0.0.1 that this script starts
+and stops, with stage k on worker k and the one-device baseline on worker 0 (logical CPUs in one process share
+one thread pool and say nothing about a schedule). Memory is measured in a separate process on the local CPU
+with `tf.config.experimental.get_memory_info` (it cannot read remote devices).
+
+Prints one JSON line per configuration, then a table. Figures are medians over repeats that alternate the
+configurations, so a slow moment of the machine hits all of them alike; compare ratios, not absolute times.
+
+  python -m bench.pipeline --quick        # reduced set, under 10 minutes on 2 cores
+  python -m bench.pipeline                # everything
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+TRANSFORMER = dict(layers=8, model_dim=512, heads=8, ffn=2048, seq=64, batch=32)
+MLP = dict(layers=16, width=2048, batch=512)
+
+
+def layer_params(workload: str) -> tuple[list[Any], list[int]]:
+    """The workload's layer Params and the shape of its input batch."""
+    if workload == "transformer":
+        from gpipe_tf.layers.transformer import TransformerEncoderLayer
+        w = TRANSFORMER
+        layers = [TransformerEncoderLayer.params().set(model_dim=w["model_dim"], num_heads=w["heads"],
+                                                       hidden_dim=w["ffn"]) for _ in range(w["layers"])]
+        return layers, [w["batch"], w["seq"], w["model_dim"]]
+    from gpipe_tf.layers.linear import Linear
+    w = MLP
+    layers = [Linear.params().set(input_dim=w["width"], output_dim=w["width"], activation="relu")
+              for _ in range(w["layers"])]
+    return layers, [w["batch"], w["width"]]
+
+
+def build_step(workload: str, k: int, m: int, remat: str, devices: list[str], schedule: str = "unrolled"
+               ) -> tuple[Callable, Any, float]:
+    """A tf.function train step (loss = mean of squared outputs, SGD update) and its useful flops."""
+    import tensorflow as tf
+
+    from gpipe_tf.gpipe.pipeline import GPipe
+    from gpipe_tf.layers.base_layer import FPropContext
+
+    layers, shape = layer_params(workload)
+    pipe = GPipe.params().set(name="net", layers=layers, num_stages=k, num_micro_batches=m, remat=remat,
+                              devices=devices[:k], schedule=schedule).instantiate()
+    variables = pipe.trainable_variables
+    ctx = FPropContext(training=True)
+
+    @tf.function
+    def step(x: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            out = pipe.fprop(pipe.theta, x, ctx)
+            with tf.device(devices[k - 1]):
+                loss = tf.reduce_mean(tf.square(out))
+        grads = tape.gradient(loss, variables)
+        for v, g in zip(variables, grads):
+            with tf.device(v.device):
+                v.assign_sub(1e-6 * g)
+        return loss
+
+    with tf.device(devices[0]):
+        x = tf.random.stateless_normal(shape, [1, 2])
+    forward = GPipe.flops(pipe.p, tf.TensorSpec(shape, tf.float32))
+    return step, x, 3.0 * forward
+
+
+def matmul_flops_per_sec(device: str) -> float:
+    """Single-core matmul throughput of one worker (median of 5)."""
+    import tensorflow as tf
+
+    n, chain = 1024, 8
+    with tf.device(device):
+        a = tf.random.normal([n, n]) / n
+
+    @tf.function
+    def f(x: tf.Tensor) -> tf.Tensor:
+        with tf.device(device):
+            for _ in range(chain):
+                x = tf.matmul(x, a)
+            return tf.reduce_sum(x)
+
+    f(a).numpy()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        f(a).numpy()
+        times.append(time.perf_counter() - start)
+    return chain * 2.0 * n ** 3 / statistics.median(times)
+
+
+def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Step times on faithful devices (TF worker processes) and the derived efficiencies."""
+    import tensorflow as tf
+
+    from gpipe_tf import workers
+
+    if args.quick:
+        configs = [(1, 1, "never"), (1, 1, "always"), (1, 8, "never"), (1, 8, "always"), (2, 8, "never"),
+                   (2, 8, "always")]
+        compile_ms = [4, 32]
+    else:
+        configs = [(k, m, r) for r in ("never", "always") for k in (1, 2) for m in (1, 2, 4, 8)]
+        compile_ms = [4, 8, 16, 32]
+    rows = []
+    with workers.LocalWorkers(2) as cluster:
+        devices = workers.connect(cluster.spec)
+        peak = matmul_flops_per_sec(devices[0])
+        print(f"# single-core matmul: {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
+        steps: dict[tuple, Any] = {}
+        compile_s: dict[tuple, float] = {}
+        for config in configs:
+            step, x, flops = build_step("transformer", *config, devices)
+            start = time.perf_counter()
+            with tf.device(devices[config[0] - 1]):
+                step(x).numpy()
+            compile_s[config] = time.perf_counter() - start
+            steps[config] = (step, x, flops)
+            print(f"# built {config} in {compile_s[config]:.1f} s", file=sys.stderr)
+        times: dict[tuple, list[float]] = {c: [] for c in configs}
+        for repeat in range(args.repeats):
+            for config, (step, x, _) in steps.items():
+                with tf.device(devices[config[0] - 1]):
+                    for _ in range(args.steps):
+                        start = time.perf_counter()
+                        step(x).numpy()
+                        times[config].append(time.perf_counter() - start)
+            print(f"# repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
+        median = {c: statistics.median(t) for c, t in times.items()}
+        base = median[(1, 1, "never")]
+        for (k, m, remat), t in median.items():
+            same_m = median.get((1, m, remat))
+            rows.append(dict(
+                workload="transformer", schedule="unrolled", k=k, m=m, remat=remat, step_time_s=round(t, 4),
+                efficiency=round(base / (k * t), 3), efficiency_same_m=round(same_m / (k * t), 3) if same_m else None,
+                efficiency_bound=round(m / (m + k - 1), 3),
+                remat_cost=round(t / median[(k, m, "never")], 3) if (k, m, "never") in median else None,
+                peak_memory_mb=None, compile_s=round(compile_s[(k, m, remat)], 2),
+                flops_fraction=round(steps[(k, m, remat)][2] / t / (k * peak), 3)))
+        # The unrolled schedule's trace grows with M (minutes at M=32), so --quick measures the loop schedule only.
+        for schedule in ("loop",) if args.quick else ("loop", "unrolled"):
+            for m in compile_ms:
+                step, x, _ = build_step("transformer", 2, m, "never", devices, schedule)
+                start = time.perf_counter()
+                with tf.device(devices[1]):
+                    step(x).numpy()
+                rows.append(dict(workload="transformer", schedule=schedule, k=2, m=m, remat="never",
+                                 step_time_s=None, efficiency=None, efficiency_same_m=None,
+                                 efficiency_bound=round(m / (m + 1), 3), remat_cost=None, peak_memory_mb=None,
+                                 compile_s=round(time.perf_counter() - start, 2), flops_fraction=None))
+                print(f"# compiled schedule={schedule} M={m}", file=sys.stderr)
+    return rows
+
+
+def memory_worker(quick: bool) -> None:
+    """Runs in its own process: peak memory of one step of the MLP workload per configuration, JSON lines."""
+    import tensorflow as tf
+
+    configs = [(1, "never"), (8, "never")] + [(m, "always") for m in ((1, 8) if quick else (1, 2, 4, 8))]
+    weight_mb = MLP["layers"] * MLP["width"] ** 2 * 4 / 2 ** 20
+    for m, remat in configs:
+        step, x, _ = build_step("mlp", 1, m, remat, ["/device:CPU:0"])
+        step(x).numpy()
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        step(x).numpy()
+        peak = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2 ** 20
+        print(json.dumps(dict(workload="mlp", schedule="unrolled", k=1, m=m, remat=remat, step_time_s=None,
+                              efficiency=None, efficiency_same_m=None, efficiency_bound=None, remat_cost=None,
+                              peak_memory_mb=round(peak, 1),
+                              activation_memory_mb=round(peak - weight_mb, 1), compile_s=None,
+                              flops_fraction=None)), flush=True)
+
+
+def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Memory figures from a fresh process (its allocator state is not shared with the speed runs)."""
+    cmd = [sys.executable, "-m", "bench.pipeline", "--memory-worker"] + (["--quick"] if args.quick else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The closing table."""
+    cols = ["workload", "schedule", "k", "m", "remat", "step_time_s", "efficiency", "efficiency_same_m",
+            "efficiency_bound", "remat_cost", "flops_fraction", "compile_s", "peak_memory_mb"]
+    widths = [max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    for r in rows:
+        lines.append("  ".join(("-" if r.get(c) is None else str(r.get(c))).rjust(w) for c, w in zip(cols, widths)))
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The headline ratios the README quotes."""
+    out = []
+    compile_rows = {(r["schedule"], r["m"]): r["compile_s"] for r in rows if r["step_time_s"] is None
+                    and r["workload"] == "transformer"}
+    for schedule in ("loop", "unrolled"):
+        if (schedule, 32) in compile_rows and (schedule, 4) in compile_rows:
+            out.append(f"compile growth M=32/M=4 ({schedule}): "
+                       f"{compile_rows[(schedule, 32)] / compile_rows[(schedule, 4)]:.2f}")
+    mem = {(r["m"], r["remat"]): r["peak_memory_mb"] for r in rows if r["workload"] == "mlp"}
+    if (1, "never") in mem and (8, "always") in mem:
+        out.append(f"peak memory remat always M=8 / no remat M=1: {mem[(8, 'always')] / mem[(1, 'never')]:.2f}")
+    return out
+
+
+def main() -> None:
+    """Parses flags, runs the measurements, prints JSON lines and the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="reduced configuration set (< 10 minutes)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds over all configurations")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per configuration and round")
+    parser.add_argument("--skip-memory", action="store_true", help="speed only")
+    parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_worker:
+        memory_worker(args.quick)
+        return
+    rows = [] if args.skip_memory else memory(args)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    for row in speed(args):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(table(rows))
+    for line in summary(rows):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -104,7 +104,9 @@ def _knob_binder(cls: type) -> Any:
     if key not in _GIN_REGISTERED:
         def bind(**knobs: Any) -> dict[str, Any]:
             return knobs
-        gin.external_configurable(bind, name=name, module=module)
+        # Parsing locks gin's registry; an experiment resolved later in the same process still registers.
+        with gin.unlock_config():
+            gin.external_configurable(bind, name=name, module=module)
         _GIN_REGISTERED.add(key)
     return gin.get_configurable(f"{module}.{name}")
 

@@ -51,3 +51,22 @@ def test_second_run_resumes_and_continues(trained):
     Controller(more.freeze(), logdir, log=lines.append).train()
     assert lines[0].startswith("resumed from") and lines[0].endswith("at step 200")
     assert any(line.startswith("step 210/210") for line in lines)
+
+
+def test_pipelined_experiment_writes_partition_table_and_schedule_picture(tmp_path):
+    import tensorflow as tf
+
+    logdir = str(tmp_path)
+    params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe", overrides="train.max_steps=3")
+    logdir_lib.prepare(logdir, params)
+    Controller(params, logdir, log=lambda s: None).train()
+    table = open(f"{logdir}/partition.txt").read()
+    assert "layer_0 .. layer_" in table and "/device:CPU:1" in table
+    assert "GPipe schedule K=2 M=4" in open(f"{logdir}/schedule.txt").read()
+    image = tf.io.decode_png(open(f"{logdir}/schedule.png", "rb").read())
+    assert image.shape[0] > 0 and image.shape[2] == 3
+    tags = set()
+    for name in (tmp_path / "train").iterdir():
+        for event in tf.compat.v1.train.summary_iterator(str(name)):
+            tags.update(v.tag for v in event.summary.value)
+    assert {"partition", "schedule", "schedule/classifier/network"} <= tags, tags

@@ -28,6 +28,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe import loop_scheduler, microbatch, partition, placement, remat, unrolled_scheduler
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.sequential import Sequential
 
 
 SCHEDULERS = {"unrolled": unrolled_scheduler.run, "loop": loop_scheduler.run}
@@ -190,19 +191,18 @@ class GPipe(BaseLayer):
         scheduler = SCHEDULERS[self.p.schedule]
         return scheduler(self, stage_theta, inputs, ctx)
 
+    # Costs from Params alone are those of the same layers run in sequence.
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:
         """Sum of the layers' counts."""
-        return sum(partition.layer_param_counts(list(p.layers)))
+        return Sequential.num_params(p)
 
     @classmethod
     def output_spec(cls, p: InstantiableParams, input_spec: Any) -> Any:
         """Each layer's output spec feeds the next."""
-        for lp in p.layers:
-            input_spec = lp.cls.output_spec(lp, input_spec)
-        return input_spec
+        return Sequential.output_spec(p, input_spec)
 
     @classmethod
     def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
         """Sum of the layers' flops."""
-        return sum(partition.layer_flops(list(p.layers), input_spec))
+        return Sequential.flops(p, input_spec)

@@ -6,11 +6,13 @@
   python trainer.py --model=toy.classifier.BlobsMlp --mode=inspect_params --params=train.learning_rate=0.01
 
 A second run with the same --logdir resumes from its latest checkpoint. Errors a user can fix print one line
-and exit with status 2.
+and exit with status 2; a training failure (NaN loss, unwritable checkpoint) prints one line and exits with 1;
+SIGTERM/SIGINT save a checkpoint and exit with 0.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -21,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 FLAGS = flags.FLAGS
 
-MODES = ("train", "eval", "inspect_params")
+MODES = ("train", "eval", "train_and_eval", "decode", "inspect", "inspect_params")
 
 flags.DEFINE_string("model", None, "Registry key of the experiment, e.g. toy.classifier.BlobsMlp.")
 flags.DEFINE_string("logdir", None, "Run directory: params, checkpoints and TensorBoard events.")
@@ -33,6 +35,14 @@ flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'BlobsMlp.hidden_
 flags.DEFINE_integer("logical_devices", None, "Split the CPU into this many logical devices before TF starts "
                      "(default: the experiment's logical_devices).")
 flags.DEFINE_bool("list_models", False, "Print every registered experiment key and exit.")
+flags.DEFINE_bool("eval_once", False, "--mode=eval: evaluate the newest checkpoint once instead of following "
+                  "the trainer.")
+flags.DEFINE_float("eval_timeout_secs", 3600.0, "--mode=eval: stop following after this long without a new "
+                   "checkpoint.")
+flags.DEFINE_bool("quiet", False, "No progress lines (warnings, errors and results still print).")
+flags.DEFINE_string("profile_steps", None, "START,END: capture a TF profiler trace of those steps into the logdir "
+                    "(TensorBoard's Profile tab; pip install -e '.[profile]').")
+flags.DEFINE_bool("json", False, "--mode=inspect: print one JSON object.")
 
 
 def _fail(message: str) -> None:
@@ -63,27 +73,53 @@ def _main(argv: list[str]) -> None:
     if FLAGS.mode == "inspect_params":
         print(params.to_text())
         return
+    if FLAGS.mode == "inspect":
+        from gpipe_tf import inspect
+        report = inspect.inspect(params)
+        print(json.dumps(report) if FLAGS.json else inspect.format_report(report))
+        return
     if not FLAGS.logdir:
         _fail(f"--logdir is required for --mode={FLAGS.mode}")
 
     from gpipe_tf.training import logdir as logdir_lib
     from gpipe_tf.training.controller import Controller
 
-    if FLAGS.mode == "train":
+    profile = _parse_profile_steps(FLAGS.profile_steps)
+    if FLAGS.mode in ("train", "train_and_eval"):
         logdir_lib.prepare(FLAGS.logdir, params)
         with open(os.path.join(FLAGS.logdir, "operative_config.gin"), "w", encoding="utf-8") as f:
             f.write(gin_config)
-        controller = Controller(params, FLAGS.logdir, log=lambda s: print(s, flush=True))
-        controller.train()
-    else:
+        controller = Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet, profile_steps=profile)
+        controller.train(evaluate_every=params.train.eval_interval_steps if FLAGS.mode == "train_and_eval" else None)
+    elif FLAGS.mode == "eval":
         logdir_lib.check_compatible(FLAGS.logdir, params)
-        Controller(params, FLAGS.logdir, log=lambda s: print(s, flush=True)).evaluate()
+        Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet).evaluate(
+            follow=not FLAGS.eval_once, timeout_secs=FLAGS.eval_timeout_secs)
+    else:
+        _fail(f"{FLAGS.model} has no decode step: --mode=decode is for sequence models (translation); use "
+              "--mode=eval")
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _parse_profile_steps(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        start, end = (int(x) for x in text.split(","))
+    except ValueError:
+        start, end = -1, -1
+    if not 0 <= start < end:
+        _fail(f"--profile_steps={text!r} must be START,END with 0 <= START < END, e.g. --profile_steps=10,15")
+    return start, end
 
 
 def main(argv: list[str]) -> None:
     """absl entry point: runs the chosen mode; user errors become one line on stderr and exit status 2."""
     import model_registry
-    from gpipe_tf.errors import ConfigError
+    from gpipe_tf.errors import ConfigError, TrainingError
     from gpipe_tf.hyperparams import ParamsError
 
     if not FLAGS["verbosity"].present:
@@ -93,6 +129,9 @@ def main(argv: list[str]) -> None:
         _main(argv)
     except (ConfigError, ParamsError, model_registry.RegistryError) as e:
         _fail(" ".join(str(e).split()))
+    except TrainingError as e:
+        print(f"trainer.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(1)
 
 
 def run() -> None:

@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """A bad experiment configuration, flag or logdir."""
+
+
+class TrainingError(RuntimeError):
+    """Training stopped on a failure no setting undoes by itself (NaN loss, a checkpoint that cannot be written)."""

@@ -1,22 +1,32 @@
 """The training controller: when to step, checkpoint, summarize, report progress and evaluate.
 
 Thin on purpose (Orbit's controller): the step itself is `Learner.train_step`; this loop decides only the
-timing of side effects. A run resumes from the latest checkpoint in the logdir, including the input
-iterator's position, so an interrupted run continues exactly where its last checkpoint left it.
+timing of side effects and what happens on failure. A run resumes from the newest readable checkpoint in the
+logdir, including the input iterator's position, so an interrupted run continues exactly where it was saved.
+
+Failures lose nothing: SIGTERM/SIGINT save a checkpoint and end the run normally; a NaN/Inf loss or gradient
+stops it before the bad update reaches the variables, without saving, so the latest checkpoint is the last good
+one (or the step is skipped, `train.skip_nonfinite_steps`); a checkpoint that cannot be written (a full disk)
+stops it and leaves the previous checkpoint the latest.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import tensorflow as tf
 
+from gpipe_tf.errors import TrainingError
 from gpipe_tf.hyperparams import Params
 from gpipe_tf.training import checkpoints, pipeline_report
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner
 from gpipe_tf.training.summaries import SummaryWriter
+
+DONE_FILE = "TRAINING_DONE"
 
 
 def _format_eta(seconds: float) -> str:
@@ -26,15 +36,34 @@ def _format_eta(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+def _memory_scalars() -> dict[str, float]:
+    """Peak memory of each local device TensorFlow reports it for (remote devices do not)."""
+    out = {}
+    for device in tf.config.list_logical_devices():
+        if device.name.startswith("/job:localhost"):
+            try:
+                out[f"memory/peak_mb/{device.device_type}:{device.name.rsplit(':', 1)[1]}"] = (
+                    tf.config.experimental.get_memory_info(device.name)["peak"] / 2 ** 20)
+            except (ValueError, tf.errors.OpError):
+                continue
+    return out
+
+
 class Controller:
     """Builds a task, its learner and checkpointing from resolved Params and runs train or eval."""
 
-    def __init__(self, params: Params, logdir: str, log: Callable[[str], None] = print) -> None:
+    def __init__(self, params: Params, logdir: str, log: Callable[[str], None] = print,
+                 quiet: bool = False, profile_steps: tuple[int, int] | None = None) -> None:
         self.params = params
         self.logdir = logdir
         self.log = log
+        self.progress = (lambda s: None) if quiet else log
+        self.profile_steps = profile_steps
         self.task = params.task.instantiate()
         self.learner: Learner | None = None
+        self._stop_signal: int | None = None
+
+    # ----------------------------------------------------------------------------------------------- training
 
     def _build_training(self) -> None:
         tp = self.params.train
@@ -46,57 +75,114 @@ class Controller:
                                               train_iterator=self.train_iterator)
         self.manager = checkpoints.make_manager(self.checkpoint, self.logdir, tp.max_checkpoints_to_keep)
 
-    def train(self) -> dict[str, float]:
-        """Trains from the latest checkpoint (or scratch) to train.max_steps; returns the last step's metrics."""
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signum
+
+    def _save(self, step: int) -> None:
+        try:
+            self.manager.save(checkpoint_number=step)
+        except (OSError, tf.errors.OpError) as e:
+            latest = checkpoints.checkpoint_paths(self.logdir)
+            raise TrainingError(f"could not write the checkpoint of step {step} ({' '.join(str(e).split())[:200]}); "
+                                f"the previous checkpoint {latest[-1] if latest else '(none)'} is intact; free disk "
+                                "space and run again to resume from it") from None
+
+    def train(self, evaluate_every: int | None = None) -> dict[str, float]:
+        """Trains from the newest checkpoint (or scratch) to train.max_steps; returns the last step's metrics.
+
+        `evaluate_every` (train_and_eval): evaluate every that many steps and at the end; 0 only at the end.
+        """
         self._build_training()
         tp = self.params.train
-        restored = checkpoints.restore_latest(self.checkpoint, self.logdir)
+        done_path = os.path.join(self.logdir, DONE_FILE)
+        if os.path.exists(done_path):
+            os.remove(done_path)
+        restored = checkpoints.restore_latest(self.checkpoint, self.logdir, warn=self.log)
         step = int(self.learner.global_step.numpy())
         if restored:
             self.log(f"resumed from {restored} at step {step}")
         if step >= tp.max_steps:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")
+            self._mark_done(step)
             return {}
         writer = SummaryWriter(self.logdir, "train")
         if step == 0:
             writer.text(0, "params", self.params.to_text())
-        pipeline_report.write(self.task, self.logdir, writer, step, self.log)
+        pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            metrics = self._loop(step, writer, evaluate_every)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            writer.close()
+        return metrics
+
+    def _loop(self, step: int, writer: SummaryWriter, evaluate_every: int | None) -> dict[str, float]:
+        tp = self.params.train
         batch_size = self.params.input.train.batch_size
-        metrics: dict[str, tf.Tensor] = {}
+        metrics: dict[str, Any] = {}
         start_step, start_time = step, time.perf_counter()
         summary_step, summary_time = step, start_time
         log_step, log_time = step, start_time
         while step < tp.max_steps:
+            if self.profile_steps and step == self.profile_steps[0]:
+                tf.profiler.experimental.start(self.logdir)
             metrics = self.learner.train_step(next(self.train_iterator))
             step += 1
+            if self.profile_steps and step == self.profile_steps[1]:
+                tf.profiler.experimental.stop()
+                self.log(f"profile of steps {self.profile_steps[0]}-{step} written to {self.logdir}/plugins/profile")
+            if bool(metrics["nonfinite"]):
+                self._nonfinite(step, metrics)
             now = time.perf_counter()
             if step % tp.summary_interval_steps == 0 or step == tp.max_steps:
-                values = {k: float(v) for k, v in metrics.items()}
+                values = {k: float(v) for k, v in metrics.items() if k not in ("nonfinite", "first_bad_gradient")}
                 steps_per_sec = (step - summary_step) / max(now - summary_time, 1e-9)
-                values.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * batch_size)
+                values.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * batch_size,
+                              step_time=1.0 / max(steps_per_sec, 1e-9), **_memory_scalars())
                 writer.scalars(step, values)
                 summary_step, summary_time = step, now
             if step % tp.log_interval_steps == 0 or step == tp.max_steps:
                 rate = (step - log_step) / max(now - log_time, 1e-9)
                 eta = (tp.max_steps - step) / max((step - start_step) / max(now - start_time, 1e-9), 1e-9)
-                self.log(f"step {step}/{tp.max_steps} loss={float(metrics['loss']):.4f} "
-                         f"lr={float(metrics['learning_rate']):.3g} grad_norm={float(metrics['grad_norm']):.3g} "
-                         f"examples/sec={rate * batch_size:.1f} eta={_format_eta(eta)}")
+                self.progress(f"step {step}/{tp.max_steps} loss={float(metrics['loss']):.4f} "
+                              f"lr={float(metrics['learning_rate']):.3g} grad_norm={float(metrics['grad_norm']):.3g} "
+                              f"examples/sec={rate * batch_size:.1f} eta={_format_eta(eta)}")
                 log_step, log_time = step, now
             if step % tp.save_interval_steps == 0 or step == tp.max_steps:
-                self.manager.save(checkpoint_number=step)
-        writer.close()
+                self._save(step)
+            if evaluate_every and step % evaluate_every == 0 and step < tp.max_steps:
+                self._evaluate_current(step)
+            if self._stop_signal is not None:
+                self._save(step)
+                self.log(f"stopped by signal {signal.Signals(self._stop_signal).name} at step {step}; "
+                         f"checkpoint saved, run again to resume")
+                return {k: float(v) for k, v in metrics.items()}
+        if evaluate_every is not None:
+            self._evaluate_current(step)
+        self._mark_done(step)
         return {k: float(v) for k, v in metrics.items()}
 
-    def evaluate(self) -> dict[str, dict[str, float]]:
-        """Evaluates the latest checkpoint on every dataset in eval.datasets; writes logdir/eval_<name>."""
-        global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-        checkpoint = tf.train.Checkpoint(task=self.task, global_step=global_step)
-        # Read-only: the evaluator never saves into the trainer's checkpoint directory.
-        path = checkpoints.restore_latest(checkpoint, self.logdir, partial=True)
-        if path is None:
-            self.log(f"no checkpoint in {checkpoints.checkpoint_dir(self.logdir)}: evaluating initial weights")
-        step = int(global_step.numpy())
+    def _nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
+        index = int(metrics["first_bad_gradient"])
+        what = f"gradient of {self.learner.gradient_names()[index]}" if index >= 0 else "loss"
+        if self.params.train.skip_nonfinite_steps:
+            self.log(f"warning: non-finite {what} at step {step}; update skipped (train.skip_nonfinite_steps)")
+            return
+        latest = checkpoints.checkpoint_paths(self.logdir)
+        raise TrainingError(f"non-finite loss or gradient at step {step}, first in the {what}; stopped before "
+                            f"updating, so {latest[-1] if latest else 'no checkpoint'} is the last good state; lower "
+                            "the learning rate, clip gradients (train.clip_gradient_norm) or set "
+                            "--params=train.skip_nonfinite_steps=True")
+
+    def _mark_done(self, step: int) -> None:
+        with open(os.path.join(self.logdir, DONE_FILE), "w", encoding="utf-8") as f:
+            f.write(f"{step}\n")
+
+    # ----------------------------------------------------------------------------------------------- evaluation
+
+    def _evaluate_current(self, step: int) -> dict[str, dict[str, float]]:
         results = {}
         for name in self.params.eval.datasets:
             values = Evaluator(self.task, name, self.params.input.get(name)).run()
@@ -106,3 +192,49 @@ class Controller:
             self.log(f"eval {name} at step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in sorted(values.items())))
             results[name] = values
         return results
+
+    def evaluate(self, follow: bool = False, poll_secs: float = 2.0,
+                 timeout_secs: float = 3600.0) -> dict[int, dict[str, dict[str, float]]]:
+        """Evaluates checkpoints on every dataset in eval.datasets; writes logdir/eval_<name>.
+
+        Without `follow`: the newest checkpoint once (or the initial weights if there is none). With `follow`:
+        every checkpoint, oldest first, each exactly once, as the trainer writes them, until the trainer marks
+        the run done and its last checkpoint is evaluated, or no new checkpoint appears for `timeout_secs`.
+        Read-only: the evaluator never writes into the trainer's checkpoint directory.
+        """
+        global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+        checkpoint = tf.train.Checkpoint(task=self.task, global_step=global_step)
+        results: dict[int, dict[str, dict[str, float]]] = {}
+        if not follow:
+            path = checkpoints.restore_latest(checkpoint, self.logdir, partial=True, warn=self.log)
+            if path is None:
+                self.log(f"no checkpoint in {checkpoints.checkpoint_dir(self.logdir)}: evaluating initial weights")
+            step = int(global_step.numpy())
+            results[step] = self._evaluate_current(step)
+            return results
+        last_new = time.time()
+        while True:
+            pending = [p for p in checkpoints.checkpoint_paths(self.logdir) if checkpoints.step_of(p) not in results]
+            for path in pending:
+                try:
+                    checkpoints.restore(checkpoint, path, partial=True)
+                except (tf.errors.NotFoundError, tf.errors.DataLossError):
+                    continue  # deleted by the trainer's max_checkpoints_to_keep, or still being written
+                results[checkpoints.step_of(path)] = self._evaluate_current(checkpoints.step_of(path))
+                last_new = time.time()
+            done = self._done_step()
+            if done is not None and done in results:
+                return results
+            if time.time() - last_new > timeout_secs:
+                self.log(f"no new checkpoint for {timeout_secs:.0f} s; evaluator stops")
+                return results
+            if not pending:
+                time.sleep(poll_secs)
+
+    def _done_step(self) -> int | None:
+        path = os.path.join(self.logdir, DONE_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return int(f.read().strip())
+        except (FileNotFoundError, ValueError):
+            return None

@@ -30,6 +30,9 @@ def training_params() -> Params:
     p.define("max_checkpoints_to_keep", 5, "Older checkpoints are deleted.")
     p.define("summary_interval_steps", 10, "Write TensorBoard scalars every this many steps.")
     p.define("log_interval_steps", 50, "Print a progress line every this many steps.")
+    p.define("eval_interval_steps", 0, "--mode=train_and_eval: evaluate every this many steps (0: at the end).")
+    p.define("skip_nonfinite_steps", False, "On a NaN/Inf loss or gradient: False stops training (the last good "
+             "checkpoint stays the latest); True skips that step's update and goes on.")
     return p
 
 
@@ -58,13 +61,31 @@ class Learner(tf.Module):
         step = self.global_step.read_value()
         ctx = FPropContext(training=True, seed=tf.stack([tf.constant(self.tp.seed, tf.int64), step]), aux={})
         loss, metrics, grads = self.task.loss_and_gradients(batch, ctx)
-        # Once per step, from the whole mini-batch: batch norm moving averages (never inside fprop).
-        for layer in self._stat_layers:
-            layer.apply_aux_stats(ctx.aux)
+        # A NaN/Inf loss or gradient must not reach the variables: the update is skipped and the step reports
+        # which gradient went bad first (-1: only the loss), so the controller can stop or go on.
+        finite = [tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
+        grads_ok = tf.stack(finite) if finite else tf.ones([0], tf.bool)
+        all_finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(loss)), tf.reduce_all(grads_ok))
+        first_bad = tf.cond(tf.reduce_all(grads_ok), lambda: tf.constant(-1, tf.int64),
+                            lambda: tf.argmin(tf.cast(grads_ok, tf.int64), output_type=tf.int64))
         grads, grad_norm = optimizers.clip_by_global_norm(grads, self.tp.clip_gradient_norm)
         lr = self.learning_rate(step)
-        self.optimizer.apply_gradients(zip(grads, self.variables_to_train), lr)
+
+        def update() -> tf.Tensor:
+            # Once per step, from the whole mini-batch: batch norm moving averages (never inside fprop).
+            for layer in self._stat_layers:
+                layer.apply_aux_stats(ctx.aux)
+            self.optimizer.apply_gradients(zip(grads, self.variables_to_train), lr)
+            return tf.constant(True)
+
+        tf.cond(all_finite, update, lambda: tf.constant(False))
         self.global_step.assign_add(1)
         out = {name: tf.cast(value, tf.float32) for name, (value, _) in metrics.items()}
-        out.update(loss=tf.cast(loss, tf.float32), grad_norm=tf.cast(grad_norm, tf.float32), learning_rate=lr)
+        out.update(loss=tf.cast(loss, tf.float32), grad_norm=tf.cast(grad_norm, tf.float32), learning_rate=lr,
+                   var_norm=tf.cast(tf.linalg.global_norm(self.variables_to_train), tf.float32),
+                   nonfinite=tf.logical_not(all_finite), first_bad_gradient=first_bad)
         return out
+
+    def gradient_names(self) -> list[str]:
+        """Names of the trained variables, in the order `first_bad_gradient` indexes."""
+        return [v.name for v in self.variables_to_train]

@@ -40,8 +40,9 @@ class BlobsMlp(Experiment):
             p.network = Sequential.params().set(layers=layers)
         else:
             from gpipe_tf.gpipe.pipeline import GPipe
-            p.network = GPipe.params().set(layers=layers, num_stages=self.num_stages,
-                                           num_micro_batches=self.num_micro_batches, remat=self.remat)
+            p.network = GPipe.params().set(
+                layers=layers, num_stages=self.num_stages, num_micro_batches=self.num_micro_batches, remat=self.remat,
+                micro_batch_shape=[self.batch_size // self.num_micro_batches, self.input_dim], input_dtype=self.dtype)
         p.softmax.set(input_dim=dims[-1], num_classes=self.num_classes)
         return p
 

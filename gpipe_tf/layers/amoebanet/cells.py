@@ -1,0 +1,169 @@
+"""An AmoebaNet cell built from a genotype table: (h[i-1], h[i-2]) in, (h[i], h[i-1]) out.
+
+Input plumbing (paper_facts §3): state 0 is ReLU -> 1x1 -> BN of h[i-1]. State 1 is h[i-2] adjusted to h[i-1]'s
+grid and fs channels: ReLU + factorized reduction when it is twice as large, ReLU -> 1x1 -> BN when only the
+channels differ, unchanged otherwise; a cell without h[i-2] (the first cell after the stem) uses the raw h[i-1].
+In a reduction cell, operations reading states 0 or 1 have stride 2 and those reading block outputs stride 1.
+A concatenated input state whose channels or grid differ from the blocks' (only the raw h[i-1] in practice) is
+brought to fs channels by a 1x1 conv + BN, or by a factorized reduction in a reduction cell.
+
+The wiring is written once (`_wire`) and interpreted three ways: on tensors (fprop), on TensorSpecs (output_spec)
+and on TensorSpecs while adding up flops, so the cost model cannot drift from the forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.amoebanet.drop_path import DropPath
+from gpipe_tf.layers.amoebanet.genotypes import cell_genotype
+from gpipe_tf.layers.amoebanet.ops import ReluConvBN, op_params
+from gpipe_tf.layers.amoebanet.reduction import FactorizedReduction
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+
+SKIP_MODES = ("none", "same", "reduce")
+
+
+class Cell(BaseLayer):
+    """A normal or reduction cell of genotype A, B or D with `filters` (fs) channels per concatenated state."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: genotype, reduction, filters, input_dim, skip_dim, skip_mode, drop path settings."""
+        p = super().params()
+        p.define("genotype", "D", "Genotype: 'A', 'B' or 'D'.")
+        p.define("reduction", False, "Whether this is a reduction cell (halves the spatial size).")
+        p.define("filters", 0, "fs: channels of every operation's output.")
+        p.define("input_dim", 0, "Channels of h[i-1].")
+        p.define("skip_dim", 0, "Channels of h[i-2] (ignored when skip_mode is 'none').")
+        p.define("skip_mode", "same", f"One of {SKIP_MODES}: h[i-2] absent (use the raw h[i-1]), on the same grid "
+                 "as h[i-1], or on a grid twice as large (factorized reduction).")
+        p.define("drop_path_keep_prob", 1.0, "Keep probability of drop path on every operation but id; 1.0: off.")
+        p.define("drop_path_burn_in_steps", 0, "Steps over which drop path ramps in (see drop_path.py); 0: none.")
+        return p
+
+    @classmethod
+    def output_dim(cls, p: InstantiableParams) -> int:
+        """Channels of the cell's output: concatenated states times fs."""
+        return len(cell_genotype(p.genotype, p.reduction).concat) * p.filters
+
+    @classmethod
+    def _state_dims(cls, p: InstantiableParams) -> list[int]:
+        return [p.filters, p.input_dim if p.skip_mode == "none" else p.filters] + [p.filters] * 5
+
+    @classmethod
+    def children_params(cls, p: InstantiableParams) -> dict[str, InstantiableParams]:
+        """Every child's Params by name, in build order (also what num_params adds up)."""
+        if p.skip_mode not in SKIP_MODES:
+            raise ParamsError(f"Cell.skip_mode={p.skip_mode!r} is not one of {SKIP_MODES}")
+        if p.filters <= 0 or p.input_dim <= 0 or (p.skip_mode != "none" and p.skip_dim <= 0):
+            raise ParamsError(f"Cell: filters, input_dim and skip_dim must be > 0, got {p.filters}, {p.input_dim}, "
+                              f"{p.skip_dim}")
+        fs, genotype = p.filters, cell_genotype(p.genotype, p.reduction)
+        children = {"prev": ReluConvBN.params().set(input_dim=p.input_dim, output_dim=fs)}
+        if p.skip_mode == "reduce":
+            children["skip"] = FactorizedReduction.params().set(input_dim=p.skip_dim, output_dim=fs, relu=True)
+        elif p.skip_mode == "same" and p.skip_dim != fs:
+            children["skip"] = ReluConvBN.params().set(input_dim=p.skip_dim, output_dim=fs)
+        dims = cls._state_dims(p)
+        for j, block in enumerate(genotype.blocks, start=2):
+            for side, op, src in (("left", block.op_left, block.input_left),
+                                  ("right", block.op_right, block.input_right)):
+                stride = 2 if p.reduction and src < 2 else 1
+                children[f"block{j}_{side}"] = op_params(op, dims[src], fs, stride)
+                if op != "id" and p.drop_path_keep_prob < 1.0:
+                    children[f"block{j}_{side}_drop"] = DropPath.params().set(
+                        keep_prob=p.drop_path_keep_prob, burn_in_steps=p.drop_path_burn_in_steps)
+        for src in genotype.concat:
+            if src < 2 and (p.reduction or dims[src] != fs):
+                children[f"concat{src}"] = FactorizedReduction.params().set(
+                    input_dim=dims[src], output_dim=fs, stride=2 if p.reduction else 1)
+        return children
+
+    @classmethod
+    def _wire(cls, p: InstantiableParams, inputs: tuple[Any, Any], apply: Callable[[str, Any], Any],
+              add: Callable[[Any, Any], Any], concat: Callable[[list[Any]], Any]) -> tuple[Any, Any]:
+        """The cell's data flow over values of any kind, given how to apply a child, add and concatenate."""
+        names = cls.children_params(p)
+        h_prev, h_skip = inputs
+        states = [apply("prev", h_prev)]
+        if p.skip_mode == "none":
+            states.append(h_prev)
+        else:
+            states.append(apply("skip", h_skip) if "skip" in names else h_skip)
+        for j, block in enumerate(cell_genotype(p.genotype, p.reduction).blocks, start=2):
+            outs = []
+            for side, src in (("left", block.input_left), ("right", block.input_right)):
+                name = f"block{j}_{side}"
+                out = apply(name, states[src])
+                outs.append(apply(f"{name}_drop", out) if f"{name}_drop" in names else out)
+            states.append(add(*outs))
+        picked = [apply(f"concat{src}", states[src]) if f"concat{src}" in names else states[src]
+                  for src in cell_genotype(p.genotype, p.reduction).concat]
+        return concat(picked), h_prev
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        super().__init__(params, parent_path)
+        for name, child in self.children_params(self.p).items():
+            self.create_child(name, child)
+
+    def fprop(self, theta: Mapping[str, Any], inputs: tuple[tf.Tensor, tf.Tensor],
+              ctx: FPropContext) -> tuple[tf.Tensor, tf.Tensor]:
+        """(h[i-1], h[i-2]) -> (h[i], h[i-1])."""
+        def apply(name: str, x: tf.Tensor) -> tf.Tensor:
+            return self.children[name].fprop(theta[name], x, ctx)
+
+        return self._wire(self.p, tuple(inputs), apply, tf.add, lambda xs: tf.concat(xs, axis=-1))
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """Sum of the children's counts."""
+        return sum(cp.cls.num_params(cp) for cp in cls.children_params(p).values())
+
+    @classmethod
+    def _trace_specs(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec],
+                     flops: list[float] | None) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+        """Runs `_wire` on TensorSpecs, appending each step's flops to `flops` unless it is None."""
+        children = cls.children_params(p)
+        if p.skip_mode != "none" and "skip" not in children and input_spec[1].shape[-1] != p.filters:
+            raise ParamsError(f"Cell expects h[i-2] with {p.filters} channels, got shape {input_spec[1].shape}")
+
+        def apply(name: str, spec: tf.TensorSpec) -> tf.TensorSpec:
+            cp = children[name]
+            if flops is not None:
+                flops.append(cp.cls.flops(cp, spec))
+            return cp.cls.output_spec(cp, spec)
+
+        def add(a: tf.TensorSpec, b: tf.TensorSpec) -> tf.TensorSpec:
+            if a.shape != b.shape:
+                raise ParamsError(f"Cell (genotype {p.genotype}, reduction={p.reduction}): a block adds shapes "
+                                  f"{a.shape} and {b.shape}; are h[i-1] and h[i-2] on the grids skip_mode="
+                                  f"{p.skip_mode!r} says?")
+            if flops is not None:
+                flops.append(float(num_elements(a)))
+            return a
+
+        def concat(specs: list[tf.TensorSpec]) -> tf.TensorSpec:
+            if any(s.shape[:-1] != specs[0].shape[:-1] for s in specs):
+                raise ParamsError(f"Cell (genotype {p.genotype}): concatenated states have different grids: "
+                                  f"{[s.shape for s in specs]}")
+            channels = sum(int(s.shape[-1]) for s in specs)
+            return tf.TensorSpec(specs[0].shape[:-1].concatenate([channels]), specs[0].dtype)
+
+        return cls._wire(p, tuple(input_spec), apply, add, concat)
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]
+                    ) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+        """(spec of h[i], spec of h[i-1])."""
+        return cls._trace_specs(p, input_spec, None)
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]) -> float:
+        """Sum over the operations, block additions and input adjustments."""
+        flops: list[float] = []
+        cls._trace_specs(p, input_spec, flops)
+        return float(sum(flops))

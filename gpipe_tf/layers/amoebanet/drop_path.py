@@ -1,0 +1,84 @@
+"""Drop path: drops a whole cell branch for some examples in training (ScheduledDropPath in [AMB]).
+
+The keep probability can ramp in linearly over `burn_in_steps`. The step has to reach the forward pass at run time,
+and FPropContext carries no step (the pipeline re-creates the context per micro-batch), so a ramping layer keeps
+it in a non-trainable scalar variable, `global_step`, read from theta like any weight; the training loop sets it
+with `set_drop_path_step` before each step. Without a ramp there is no such variable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers import initializers
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+
+
+def ramped_keep_prob(keep_prob: float, step: Any, burn_in_steps: int) -> Any:
+    """Keep probability at `step`: 1.0 at step 0, falling linearly to `keep_prob` at `burn_in_steps`."""
+    if burn_in_steps <= 0:
+        return keep_prob
+    ratio = tf.minimum(tf.cast(step, tf.float64) / burn_in_steps, 1.0)
+    return 1.0 - ratio * (1.0 - keep_prob)
+
+
+class DropPath(BaseLayer):
+    """Keeps each example's input with probability keep_prob (divided by it) or zeroes it, in training only.
+
+    The mask is drawn from the stateless seed `ctx.layer_seed(random_id, path)`: a recomputed forward pass and
+    every pipeline partition draw the same mask.
+    """
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: keep_prob, burn_in_steps."""
+        p = super().params()
+        p.define("keep_prob", 1.0, "Probability of keeping an example's path, in (0, 1]; 1.0 disables drop path.")
+        p.define("burn_in_steps", 0, "Steps over which the keep probability ramps from 1.0 down to keep_prob; 0: none.")
+        return p
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        super().__init__(params, parent_path)
+        if not 0.0 < self.p.keep_prob <= 1.0:
+            raise ParamsError(f"{self.path}.keep_prob={self.p.keep_prob} must be in (0, 1]")
+        if self.p.burn_in_steps > 0:
+            self.create_variable("global_step", [], init=initializers.weight_init("constant", 0.0), trainable=False)
+
+    def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
+        """Applies the per-example mask when training and keep_prob < 1; otherwise returns `inputs`."""
+        p = self.p
+        if not ctx.training or p.keep_prob >= 1.0:
+            return inputs
+        keep = p.keep_prob
+        if p.burn_in_steps > 0:
+            keep = tf.cast(ramped_keep_prob(keep, tf.stop_gradient(theta["global_step"]), p.burn_in_steps),
+                           inputs.dtype)
+        shape = tf.concat([tf.shape(inputs)[:1], tf.ones([inputs.shape.rank - 1], tf.int32)], 0)
+        uniform = tf.random.stateless_uniform(shape, ctx.layer_seed(self.random_id, self.path), dtype=inputs.dtype)
+        mask = tf.floor(keep + uniform)
+        return inputs * mask / keep
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """No trainable weights."""
+        return 0
+
+    @classmethod
+    def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
+        """Unchanged."""
+        return input_spec
+
+    @classmethod
+    def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
+        """A multiply and a divide per element."""
+        return 2.0 * num_elements(input_spec)
+
+
+def set_drop_path_step(module: tf.Module, step: Any) -> None:
+    """Sets the step of every ramping DropPath under `module` (call once per training step)."""
+    for layer in [module, *module.submodules]:
+        if isinstance(layer, DropPath) and "global_step" in layer.vars:
+            layer.vars["global_step"].assign(tf.cast(step, layer.vars["global_step"].dtype))

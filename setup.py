@@ -25,6 +25,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
+        # TensorBoard's Profile tab for --profile_steps traces; large, so optional.
+        "profile": ["tensorboard-plugin-profile>=2.15"],
     },
     entry_points={"console_scripts": ["gpipe-trainer=trainer:run"]},
 )

@@ -36,7 +36,9 @@ def test_loss_halves_in_200_steps_and_every_scalar_is_written(trained):
 
 def test_eval_writes_metrics_per_dataset(trained):
     logdir, params, lines = trained
-    results = Controller(params, logdir, log=lines.append).evaluate()
+    by_step = Controller(params, logdir, log=lines.append).evaluate()
+    assert list(by_step) == [200]
+    results = by_step[200]
     assert set(results) == {"dev", "test"}
     assert results["test"]["accuracy"] > 0.5  # chance is 1/8
     scalars = read_scalars(f"{logdir}/eval_test")

@@ -263,3 +263,36 @@ def test_checkpoints_do_not_depend_on_k_or_schedule(tmp_path):
     for a, b in zip(two.trainable_variables, four.trainable_variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert not any("gradient_sum" in name for name, _ in tf.train.list_variables(path))
+
+
+class Duplicate(BaseLayer):
+    """Test layer: x -> (tanh(x W), tanh(x W)), the same tensor twice; then a layer consuming the pair."""
+
+    @classmethod
+    def params(cls):
+        p = super().params()
+        p.define("dim", 3, "")
+        return p
+
+    def __init__(self, params, parent_path=""):
+        super().__init__(params, parent_path)
+        self.create_variable("w", [self.p.dim, self.p.dim])
+
+    def fprop(self, theta, inputs, ctx):
+        if isinstance(inputs, tuple):
+            inputs = inputs[0] * 2.0 + inputs[1]
+        out = tf.tanh(inputs @ theta["w"])
+        return out, out
+
+    @classmethod
+    def num_params(cls, p):
+        return p.dim * p.dim
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_a_boundary_holding_one_tensor_twice_is_not_counted_twice(schedule, remat):
+    x = tf.constant(np.random.default_rng(6).normal(size=(BATCH, 3)))
+    layers = [Duplicate.params() for _ in range(4)]
+    ref = loss_and_grads(build(layers, "float64"), x)
+    assert_same(loss_and_grads(build(layers, "float64", 2, 4, remat, schedule=schedule), x), ref, rtol=1e-10)

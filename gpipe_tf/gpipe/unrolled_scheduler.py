@@ -102,6 +102,9 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
                     if use_remat[s]:
                         y, tape = pipe._run_stage(s, thetas[s], h, micro_ctx), None
                     else:
+                        # Fresh identities: if the boundary holds one tensor twice, e.g. (x, x), each position
+                        # must get its own gradient, not the sum of both (which would be counted twice upstream).
+                        h = _with_float_leaves(h, [tf.identity(t) for t in _float_leaves(h)])
                         tape = tf.GradientTape(watch_accessed_variables=False)
                         with tape:
                             tape.watch(_float_leaves(h) + theta_args[s])

@@ -83,7 +83,7 @@ def amoebanet_layers(genotype: str, num_cells_per_stack: int, filters: int, num_
                                  skip_dim=skip_dim, skip_mode=mode, drop_path_keep_prob=keep,
                                  drop_path_burn_in_steps=drop_path_burn_in_steps)
         try:
-            Cell.children_params(cell)
+            Cell.num_params(cell)  # validates every child's Params (e.g. even factorized-reduction widths)
         except ParamsError as e:
             raise ParamsError(f"AmoebaNet-{genotype} (N={num_cells_per_stack}, F={filters}) cell {k}: {e}") from None
         layers.append(cell)

@@ -66,13 +66,20 @@ class ReluConvBN(BaseLayer):
         return relu + Conv2D.flops(cls._conv(p), input_spec) + BatchNorm.flops(bn, out)
 
 
-def _chain_costs(parts: list[tuple[type, InstantiableParams]], input_spec: tf.TensorSpec) -> tuple[Any, float]:
-    """(output spec, total flops) of sub-layers applied in sequence."""
+def _chain_spec(parts: list[tuple[type, InstantiableParams]], input_spec: tf.TensorSpec) -> tf.TensorSpec:
+    """Output spec of sub-layers applied in sequence."""
+    for cls, p in parts:
+        input_spec = cls.output_spec(p, input_spec)
+    return input_spec
+
+
+def _chain_flops(parts: list[tuple[type, InstantiableParams]], input_spec: tf.TensorSpec) -> float:
+    """Total flops of sub-layers applied in sequence."""
     total = 0.0
     for cls, p in parts:
         total += cls.flops(p, input_spec)
         input_spec = cls.output_spec(p, input_spec)
-    return input_spec, total
+    return total
 
 
 class SepConv(BaseLayer):
@@ -120,7 +127,7 @@ class SepConv(BaseLayer):
     @classmethod
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
         """The last batch norm's output."""
-        return _chain_costs([(c, cp) for _, c, cp in cls._parts(p)], input_spec)[0]
+        return _chain_spec([(c, cp) for _, c, cp in cls._parts(p)], input_spec)
 
     @classmethod
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
@@ -183,12 +190,12 @@ class Bottleneck(BaseLayer):
     @classmethod
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
         """The last unit's output."""
-        return _chain_costs([(ReluConvBN, cp) for cp in cls._parts(p)], input_spec)[0]
+        return _chain_spec([(ReluConvBN, cp) for cp in cls._parts(p)], input_spec)
 
     @classmethod
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """Sum over the units."""
-        return _chain_costs([(ReluConvBN, cp) for cp in cls._parts(p)], input_spec)[1]
+        return _chain_flops([(ReluConvBN, cp) for cp in cls._parts(p)], input_spec)
 
 
 class Pool(BaseLayer):

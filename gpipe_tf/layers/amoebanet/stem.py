@@ -42,7 +42,9 @@ class ConvStem(BaseLayer):
         """NHWC images -> (x, x)."""
         x = self.children["conv"].fprop(theta["conv"], inputs, ctx)
         x = self.children["bn"].fprop(theta["bn"], x, ctx)
-        return x, x
+        # Two distinct tensors: a stage boundary that holds one tensor twice has its gradient taken twice by the
+        # pipeline's per-stage tapes (the first cell ignores the second entry, whose gradient must stay zero).
+        return x, tf.identity(x)
 
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:

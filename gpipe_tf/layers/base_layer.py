@@ -166,6 +166,9 @@ class BaseLayer(tf.Module):
     def apply_aux_stats(self, aux: Mapping[str, Any]) -> None:
         """Applies once-per-step statistics from `ctx.aux` (e.g. batch norm moving averages); default: none."""
 
+    def set_training_step(self, step: tf.Tensor) -> None:
+        """Called by the learner before each step for layers whose behaviour ramps with training (drop path)."""
+
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:
         """Number of trainable parameters, computed from Params alone (no variables are created).

@@ -47,8 +47,9 @@ class Learner(tf.Module):
         self.optimizer = train_params.optimizer.instantiate()
         self.schedule = train_params.lr_schedule.instantiate()
         self.variables_to_train = list(task.trainable_variables)
-        self._stat_layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)
-                             and type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
+        layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)]
+        self._stat_layers = [m for m in layers if type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
+        self._stepped_layers = [m for m in layers if type(m).set_training_step is not BaseLayer.set_training_step]
         # Slots are created now, eagerly, next to their variables: never inside the traced step.
         self.optimizer.build(self.variables_to_train)
         self.train_step = tf.function(self._train_step)
@@ -59,6 +60,8 @@ class Learner(tf.Module):
 
     def _train_step(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         step = self.global_step.read_value()
+        for layer in self._stepped_layers:
+            layer.set_training_step(step)
         ctx = FPropContext(training=True, seed=tf.stack([tf.constant(self.tp.seed, tf.int64), step]), aux={})
         loss, metrics, grads = self.task.loss_and_gradients(batch, ctx)
         # A NaN/Inf loss or gradient must not reach the variables: the update is skipped and the step reports

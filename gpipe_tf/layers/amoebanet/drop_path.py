@@ -3,7 +3,7 @@
 The keep probability can ramp in linearly over `burn_in_steps`. The step has to reach the forward pass at run time,
 and FPropContext carries no step (the pipeline re-creates the context per micro-batch), so a ramping layer keeps
 it in a non-trainable scalar variable, `global_step`, read from theta like any weight; the training loop sets it
-with `set_drop_path_step` before each step. Without a ramp there is no such variable.
+through `set_training_step` (the learner calls it before every step). Without a ramp there is no such variable.
 """
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ class DropPath(BaseLayer):
         mask = tf.floor(keep + uniform)
         return inputs * mask / keep
 
+    def set_training_step(self, step: tf.Tensor) -> None:
+        """Moves the ramp-in to `step` (only when drop path ramps in)."""
+        if "global_step" in self.vars:
+            self.vars["global_step"].assign(tf.cast(step, self.vars["global_step"].dtype))
+
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:
         """No trainable weights."""
@@ -80,5 +85,5 @@ class DropPath(BaseLayer):
 def set_drop_path_step(module: tf.Module, step: Any) -> None:
     """Sets the step of every ramping DropPath under `module` (call once per training step)."""
     for layer in [module, *module.submodules]:
-        if isinstance(layer, DropPath) and "global_step" in layer.vars:
-            layer.vars["global_step"].assign(tf.cast(step, layer.vars["global_step"].dtype))
+        if isinstance(layer, DropPath):
+            layer.set_training_step(step)

@@ -61,9 +61,8 @@ def _main(argv: list[str]) -> None:
         return
     if not FLAGS.model:
         _fail("--model is required; run with --list_models to see the registered keys")
-    overrides = FLAGS.params
-    if FLAGS.max_steps is not None:
-        overrides = f"{overrides},train.max_steps={FLAGS.max_steps}" if overrides else f"train.max_steps={FLAGS.max_steps}"
+    overrides = ",".join(part for part in (FLAGS.params, None if FLAGS.max_steps is None
+                                           else f"train.max_steps={FLAGS.max_steps}") if part)
     params, gin_config = experiment.resolve_params(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
     # Resolving Params runs no TensorFlow op, so the CPU can still be split here.
     num_devices = FLAGS.logical_devices or params.logical_devices

@@ -17,7 +17,7 @@ import gin
 
 import model_registry
 from gpipe_tf.errors import ConfigError
-from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError, parse_overrides
+from gpipe_tf.hyperparams import InstantiableParams, Params, parse_overrides
 
 DATASETS = ("train", "dev", "test")
 

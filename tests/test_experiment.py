@@ -49,5 +49,6 @@ def test_override_typo_and_wrong_type():
 def test_several_experiments_resolve_in_one_process():
     """gin locks its registry after parsing; a second experiment must still register its knobs."""
     first, _ = experiment.resolve_params(KEY)
-    second, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe", gin_bindings=["BlobsMlpGPipe.remat = 'never'"])
+    second, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe",
+                                          gin_bindings=["BlobsMlpGPipe.remat = 'never'"])
     assert first.model == KEY and second.task.network.remat == "never"

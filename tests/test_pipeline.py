@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from gpipe_tf.gpipe import placement
 from gpipe_tf.gpipe.pipeline import GPipe
-from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.linear import Linear
@@ -114,8 +114,8 @@ def test_mlp_float64_equals_unpipelined(mlp_reference, k, m, schedule):
 def test_mlp_float32_equals_unpipelined(k, m, remat, schedule):
     x = tf.constant(np.random.default_rng(2).normal(size=(BATCH, 6)).astype(np.float32))
     ref = loss_and_grads(build(mlp_layers("float32"), "float32"), x)
-    assert_same(loss_and_grads(build(mlp_layers("float32"), "float32", k, m, remat, schedule=schedule), x), ref, rtol=1e-5,
-                atol=1e-6)
+    got = loss_and_grads(build(mlp_layers("float32"), "float32", k, m, remat, schedule=schedule), x)
+    assert_same(got, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

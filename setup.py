@@ -21,6 +21,9 @@ setup(
         "importlib_resources>=5",
         "absl-py>=2.0,<3",
         "gin-config>=0.5,<0.6",
+        # Offline translation data (numbers spelled out in many languages) and its subword vocabulary.
+        "num2words>=0.5.14,<0.6",
+        "sentencepiece>=0.2,<0.3",
         "numpy>=1.26",
     ],
     extras_require={

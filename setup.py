@@ -24,6 +24,8 @@ setup(
         # Offline translation data (numbers spelled out in many languages) and its subword vocabulary.
         "num2words>=0.5.14,<0.6",
         "sentencepiece>=0.2,<0.3",
+        # Corpus BLEU for --mode=decode: the standard, comparable implementation.
+        "sacrebleu>=2.3,<3",
         "numpy>=1.26",
     ],
     extras_require={

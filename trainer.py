@@ -95,8 +95,9 @@ def _main(argv: list[str]) -> None:
         Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet).evaluate(
             follow=not FLAGS.eval_once, timeout_secs=FLAGS.eval_timeout_secs)
     else:
-        _fail(f"{FLAGS.model} has no decode step: --mode=decode is for sequence models (translation); use "
-              "--mode=eval")
+        from gpipe_tf.training import decoder
+        logdir_lib.check_compatible(FLAGS.logdir, params)
+        decoder.decode(params.task.instantiate(), params, FLAGS.logdir, _print)
 
 
 def _print(line: str) -> None:

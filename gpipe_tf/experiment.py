@@ -76,6 +76,9 @@ class Experiment:
         p = Params()
         p.define("datasets", [n for n in DATASETS[1:] if getattr(self, f"{n}_input")() is not None],
                  "Datasets evaluated by --mode=eval, each into logdir/eval_<name>.")
+        p.define("beam_size", 4, "--mode=decode: beam size (1: greedy search).")
+        p.define("length_penalty_alpha", 0.6, "--mode=decode: GNMT length penalty exponent.")
+        p.define("decode_max_length", 0, "--mode=decode: longest output in tokens; 0: the input's max_length.")
         return p
 
     def model_params(self) -> Params:

@@ -1,0 +1,181 @@
+"""Pipelined encoder-decoder Transformer translation: GPipe over one flat layer list, softmax, beam search.
+
+The network is a GPipe over [SourceEmbedding, EncoderBlock x N, EncoderToDecoder, TransformerDecoderLayer x M,
+FinalNorm] (see layers/seq2seq_adapters.py), so source and target tensors of a micro-batch travel together from
+stage to stage. Decoding does not use the pipeline: it runs the same child layers in order, un-pipelined, once for
+the encoder, then one decoder step at a time with cached keys and values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import tensorflow as tf
+
+from gpipe_tf.decoding.search import beam_search, greedy_search
+from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.layers.seq2seq_adapters import EncoderBlock, EncoderToDecoder, FinalNorm, SourceEmbedding
+from gpipe_tf.layers.softmax import SoftmaxCrossEntropy
+from gpipe_tf.layers.transformer import TransformerEncoderLayer
+from gpipe_tf.layers.transformer_decoder import TransformerDecoderLayer
+from gpipe_tf.tasks.base_task import BaseTask, Metrics
+
+
+def translation_layers(p: InstantiableParams) -> list[InstantiableParams]:
+    """The flat pipeline layer list of a TranslationTask's Params (order: module doc)."""
+    common = dict(model_dim=p.model_dim, num_heads=p.num_heads, hidden_dim=p.hidden_dim,
+                  dropout_rate=p.dropout_rate)
+    layers = [SourceEmbedding.params().set(name="src_emb", vocab_size=p.vocab_size, model_dim=p.model_dim,
+                                           dropout_rate=p.dropout_rate)]
+    for i in range(p.num_encoder_layers):
+        layers.append(EncoderBlock.params().set(name=f"encoder_{i}",
+                                                layer=TransformerEncoderLayer.params().set(**common)))
+    layers.append(EncoderToDecoder.params().set(name="enc_to_dec", vocab_size=p.vocab_size, model_dim=p.model_dim,
+                                                dropout_rate=p.dropout_rate))
+    for i in range(p.num_decoder_layers):
+        layers.append(TransformerDecoderLayer.params().set(name=f"decoder_{i}", **common))
+    layers.append(FinalNorm.params().set(name="final_norm", model_dim=p.model_dim))
+    return layers
+
+
+class TranslationTask(BaseTask):
+    """Sequence-to-sequence Transformer trained with label-smoothed cross-entropy, run as a GPipe pipeline.
+
+    Batches are NumbersTranslationInput's: src_ids, src_paddings, tgt_in_ids, tgt_out_ids, tgt_paddings.
+    """
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: model sizes, dropout, label smoothing and the pipeline's K, M, remat and schedule."""
+        p = super().params()
+        p.define("vocab_size", 0, "Shared source/target vocabulary size.")
+        p.define("model_dim", 0, "Transformer model dimension.")
+        p.define("num_heads", 0, "Attention heads.")
+        p.define("hidden_dim", 0, "Feed-forward hidden size.")
+        p.define("num_encoder_layers", 2, "Encoder layers.")
+        p.define("num_decoder_layers", 2, "Decoder layers.")
+        p.define("dropout_rate", 0.0, "Residual and embedding dropout.")
+        p.define("label_smoothing", 0.1, "Label smoothing of the cross-entropy.")
+        p.define("num_stages", 1, "K: pipeline stages.")
+        p.define("num_micro_batches", 1, "M: micro-batches per batch.")
+        p.define("remat", "never", "Pipeline rematerialization policy.")
+        p.define("schedule", "unrolled", "Pipeline schedule: 'unrolled' or 'loop'.")
+        p.define("devices", None, "Explicit stage devices; None: the pipeline's automatic choice.")
+        p.define("network", None, "GPipe Params of the network; None: built from the fields above by "
+                 "`network_params`. Experiments set it so that the pipeline shows in the Params tree (inspect).")
+        return p
+
+    @classmethod
+    def network_params(cls, p: InstantiableParams) -> InstantiableParams:
+        """The GPipe Params that the fields of `p` describe (the layer list of `translation_layers`)."""
+        return GPipe.params().set(
+            layers=translation_layers(p), num_stages=p.num_stages, num_micro_batches=p.num_micro_batches,
+            remat=p.remat, schedule=p.schedule, devices=p.devices)
+
+    def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
+        super().__init__(params, parent_path)
+        p = self.p
+        if p.vocab_size <= 1 or p.model_dim <= 0 or p.num_heads <= 0 or p.hidden_dim <= 0:
+            raise ParamsError(f"{self.path}: vocab_size, model_dim, num_heads and hidden_dim must be positive, got "
+                              f"{p.vocab_size}, {p.model_dim}, {p.num_heads}, {p.hidden_dim}")
+        network = p.network if p.network is not None else self.network_params(p)
+        layers = list(network.layers)
+        self.network = self.create_child("network", network)
+        self.softmax = self.create_child("softmax", SoftmaxCrossEntropy.params().set(
+            input_dim=p.model_dim, num_classes=p.vocab_size, label_smoothing=p.label_smoothing))
+        # Global indices of the pieces in the flat list, for un-pipelined decoding; read from the list itself so
+        # that a hand-edited `network` is decoded as built.
+        classes = [lp.cls for lp in layers]
+        if (classes.count(EncoderToDecoder) != 1 or classes[0] is not SourceEmbedding
+                or classes[-1] is not FinalNorm):
+            raise ParamsError(f"{self.path}.network.layers must be SourceEmbedding, encoder blocks, one "
+                              "EncoderToDecoder, decoder layers, FinalNorm; see translation_layers")
+        self._e2d_index = classes.index(EncoderToDecoder)
+        self._decoder_indices = list(range(self._e2d_index + 1, len(layers) - 1))
+        if not all(c is TransformerDecoderLayer for c in classes[self._e2d_index + 1:-1]):
+            raise ParamsError(f"{self.path}.network.layers: only TransformerDecoderLayer may follow EncoderToDecoder")
+        self._final_index = len(layers) - 1
+
+    @classmethod
+    def num_params(cls, p: InstantiableParams) -> int:
+        """The pipeline's layers plus the softmax, from Params alone."""
+        sp = SoftmaxCrossEntropy.params().set(input_dim=p.model_dim, num_classes=p.vocab_size)
+        layers = translation_layers(p) if p.network is None else list(p.network.layers)
+        return sum(lp.cls.num_params(lp) for lp in layers) + sp.cls.num_params(sp)
+
+    def _network_inputs(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, ...]:
+        # Paddings enter in the model dtype so that they travel as such and masks are built in that dtype.
+        return (tf.cast(batch["src_ids"], tf.int32), tf.cast(batch["src_paddings"], self.dtype),
+                tf.cast(batch["tgt_in_ids"], tf.int32), tf.cast(batch["tgt_paddings"], self.dtype))
+
+    def compute_loss(self, theta: Mapping[str, Any], batch: Mapping[str, tf.Tensor],
+                     ctx: FPropContext) -> tuple[tf.Tensor, Metrics]:
+        """Label-smoothed cross-entropy averaged over real target tokens; metrics: loss, token_accuracy."""
+        features = self.network.fprop(theta["network"], self._network_inputs(batch), ctx)
+        logits = self.softmax.fprop(theta["softmax"], features, ctx)
+        labels = tf.cast(batch["tgt_out_ids"], tf.int32)
+        xent = self.softmax.xent(logits, labels)
+        weights = 1.0 - tf.cast(batch["tgt_paddings"], xent.dtype)
+        num_tokens = tf.reduce_sum(weights)
+        # max(., 1) keeps an all-padding batch finite; real batches always have tokens.
+        denom = tf.maximum(num_tokens, 1.0)
+        loss = tf.reduce_sum(xent * weights) / denom
+        correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), xent.dtype)
+        accuracy = tf.reduce_sum(correct * weights) / denom
+        return loss, {"loss": (loss, num_tokens), "token_accuracy": (accuracy, num_tokens)}
+
+    def _layer(self, index: int) -> tuple[Any, str]:
+        name = f"layer_{index}"
+        return self.network.children[name], name
+
+    def decode(self, batch: Mapping[str, tf.Tensor], max_length: int, beam_size: int = 1,
+               length_penalty_alpha: float = 0.0, bos_id: int = 1, eos_id: int = 2,
+               theta: Mapping[str, Any] | None = None) -> tf.Tensor:
+        """Translates batch['src_ids'] (with 'src_paddings'): the best hypothesis' ids, int32 [B, max_length].
+
+        Greedy search for beam_size=1, else beam search with GNMT's length penalty. Tokens after the first EOS
+        are eos_id. Runs eagerly or inside tf.function; uses `theta` (default: this task's variables).
+        """
+        theta = self.theta if theta is None else theta
+        net_theta = theta["network"]
+        ctx = FPropContext(training=False)
+        src_ids = tf.cast(batch["src_ids"], tf.int32)
+        src_paddings = tf.cast(batch["src_paddings"], self.dtype)
+        static_batch = src_ids.shape[0]
+        batch_size = static_batch if static_batch is not None else tf.shape(src_ids)[0]
+
+        # Encoder, un-pipelined: embedding and encoder layers on the 4-tuple (a 1-long dummy target rides along).
+        dummy_ids = tf.zeros_like(src_ids[:, :1])
+        state: Any = (src_ids, src_paddings, dummy_ids, tf.zeros_like(src_paddings[:, :1]))
+        for j in range(self._e2d_index):
+            layer, name = self._layer(j)
+            state = layer.fprop(net_theta[name], state, ctx)
+        e2d, e2d_name = self._layer(self._e2d_index)
+        memory = e2d.encoder_memory(net_theta[e2d_name], state[0], ctx)
+
+        caches = []
+        for j in self._decoder_indices:
+            layer, name = self._layer(j)
+            caches.append(layer.init_cache(batch_size, max_length, theta=net_theta[name], memory=memory))
+        final, final_name = self._layer(self._final_index)
+        initial_state = {"caches": caches, "src_paddings": src_paddings}
+
+        def step_fn(ids_t: tf.Tensor, step_state: Any, t: tf.Tensor) -> tuple[tf.Tensor, Any]:
+            positions = tf.fill(tf.shape(ids_t[:, tf.newaxis]), t)
+            x = e2d.embed_target(net_theta[e2d_name], ids_t[:, tf.newaxis], positions, ctx)
+            new_caches = []
+            for j, cache in zip(self._decoder_indices, step_state["caches"]):
+                layer, name = self._layer(j)
+                x, cache = layer.extend_step(net_theta[name], x, cache, None, step_state["src_paddings"], ctx)
+                new_caches.append(cache)
+            x = final.normalize(net_theta[final_name], x, ctx)
+            logits = self.softmax.fprop(theta["softmax"], x[:, 0], ctx)
+            return tf.nn.log_softmax(logits), {"caches": new_caches, "src_paddings": step_state["src_paddings"]}
+
+        if beam_size == 1:
+            return greedy_search(step_fn, initial_state, batch_size, max_length, bos_id, eos_id)
+        ids, _ = beam_search(step_fn, initial_state, batch_size, beam_size, max_length, bos_id, eos_id,
+                             length_penalty_alpha=length_penalty_alpha, dtype=self.dtype)
+        return ids[:, 0]

@@ -1,0 +1,76 @@
+"""`--mode=decode`: translate each evaluation dataset with the newest checkpoint and score the translations.
+
+Writes `logdir/decode_<dataset>/hypotheses.tsv` (source, hypothesis, reference, target language) and TensorBoard
+scalars in the same folder: corpus BLEU (sacrebleu, the standard implementation, tokenize '13a') and exact match,
+overall and per target language. Read-only with respect to the trainer's checkpoints.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Callable
+
+import sacrebleu
+import tensorflow as tf
+
+from gpipe_tf.errors import ConfigError
+from gpipe_tf.hyperparams import Params
+from gpipe_tf.training import checkpoints
+from gpipe_tf.training.summaries import SummaryWriter
+
+
+def score(hypotheses: list[str], references: list[str], languages: list[str]) -> dict[str, float]:
+    """BLEU and exact match (as fractions of 1 and BLEU points), overall and per target language."""
+    out = {"bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
+           "exact_match": sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)}
+    by_lang: dict[str, list[int]] = collections.defaultdict(list)
+    for j, lang in enumerate(languages):
+        by_lang[lang].append(j)
+    for lang, rows in sorted(by_lang.items()):
+        hyps, refs = [hypotheses[j] for j in rows], [references[j] for j in rows]
+        out[f"bleu/{lang}"] = sacrebleu.corpus_bleu(hyps, [refs]).score
+        out[f"exact_match/{lang}"] = sum(h == r for h, r in zip(hyps, refs)) / len(rows)
+    return out
+
+
+def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """Decodes every dataset in eval.datasets with the newest checkpoint; returns the scores per dataset."""
+    if not hasattr(task, "decode"):
+        raise ConfigError(f"{params.model} has no decode step: --mode=decode is for sequence models "
+                          "(translation); use --mode=eval")
+    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    path = checkpoints.restore_latest(tf.train.Checkpoint(task=task, global_step=global_step), logdir,
+                                      partial=True, warn=log)
+    if path is None:
+        log(f"no checkpoint in {checkpoints.checkpoint_dir(logdir)}: decoding with the initial weights")
+    step = int(global_step.numpy())
+    ep = params.eval
+    results = {}
+    for name in ep.datasets:
+        inp = params.input.get(name).instantiate()
+        vocab = inp.vocab
+        max_length = ep.decode_max_length or inp.p.max_length
+        translate = tf.function(lambda batch: task.decode(
+            batch, max_length, beam_size=ep.beam_size, length_penalty_alpha=ep.length_penalty_alpha,
+            bos_id=vocab.bos_id, eos_id=vocab.eos_id))
+        hypotheses = []
+        for batch in inp.dataset():
+            hypotheses += [vocab.decode(row) for row in translate(batch).numpy().tolist()]
+        references = inp.references()[:len(hypotheses)]
+        scores = score(hypotheses, [r[1] for r in references], [r[2] for r in references])
+        job_dir = os.path.join(logdir, f"decode_{name}")
+        writer = SummaryWriter(logdir, f"decode_{name}")
+        writer.scalars(step, scores)
+        writer.text(step, "samples", "\n".join(f"{src} => {hyp} (reference: {ref})" for (src, ref, _), hyp
+                                                in list(zip(references, hypotheses))[:20]))
+        writer.close()
+        with open(os.path.join(job_dir, "hypotheses.tsv"), "w", encoding="utf-8") as f:
+            f.write("source\thypothesis\treference\ttarget_language\n")
+            for (src, ref, lang), hyp in zip(references, hypotheses):
+                f.write(f"{src}\t{hyp}\t{ref}\t{lang}\n")
+        per_lang = " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in scores.items() if k.startswith("exact_match/"))
+        log(f"decode {name} at step {step}: {len(hypotheses)} sentences, BLEU={scores['bleu']:.2f}, "
+            f"exact match={scores['exact_match']:.3f} ({per_lang})")
+        results[name] = scores
+    return results

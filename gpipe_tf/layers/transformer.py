@@ -22,6 +22,21 @@ def _split_inputs(inputs: Any) -> tuple[Any, Any]:
     return inputs, None
 
 
+def define_block_params(p: InstantiableParams) -> InstantiableParams:
+    """Defines the fields Transformer encoder and decoder layers share (one definition for both); returns p."""
+    p.define("model_dim", 0, "Size of the input and output (last) dimension (and of the decoder's memory).")
+    p.define("num_heads", 0, "Number of attention heads (self- and cross-attention).")
+    p.define("head_dim", 0, "Size of each attention head; 0: model_dim // num_heads.")
+    p.define("hidden_dim", 0, "Hidden size of the feed-forward block.")
+    p.define("activation", "relu", "Activation of the feed-forward hidden layer.")
+    p.define("dropout_rate", 0.0, "Residual dropout: on each block's output before it is added to x.")
+    p.define("attention_dropout_rate", 0.0, "Dropout on the attention probabilities.")
+    p.define("relu_dropout_rate", 0.0, "Dropout on the feed-forward hidden activations.")
+    p.define("pre_norm", True, "True: normalize each block's input; False: normalize after the residual add.")
+    p.define("ln_epsilon", 1e-6, "Epsilon of the layer norms.")
+    return p
+
+
 class TransformerEncoderLayer(BaseLayer):
     """One Transformer encoder layer: self-attention then feed-forward, each with residual dropout and layer norm.
 
@@ -38,18 +53,7 @@ class TransformerEncoderLayer(BaseLayer):
     @classmethod
     def params(cls) -> InstantiableParams:
         """Default Params: model_dim, num_heads, hidden_dim, dropout rates, pre_norm, ln_epsilon."""
-        p = super().params()
-        p.define("model_dim", 0, "Size of the input and output (last) dimension.")
-        p.define("num_heads", 0, "Number of attention heads.")
-        p.define("head_dim", 0, "Size of each attention head; 0: model_dim // num_heads.")
-        p.define("hidden_dim", 0, "Hidden size of the feed-forward block.")
-        p.define("activation", "relu", "Activation of the feed-forward hidden layer.")
-        p.define("dropout_rate", 0.0, "Residual dropout: on each block's output before it is added to x.")
-        p.define("attention_dropout_rate", 0.0, "Dropout on the attention probabilities.")
-        p.define("relu_dropout_rate", 0.0, "Dropout on the feed-forward hidden activations.")
-        p.define("pre_norm", True, "True: normalize each block's input; False: normalize after the residual add.")
-        p.define("ln_epsilon", 1e-6, "Epsilon of both layer norms.")
-        return p
+        return define_block_params(super().params())
 
     @classmethod
     def _child_params(cls, p: InstantiableParams) -> dict[str, InstantiableParams]:

@@ -38,6 +38,7 @@ from gpipe_tf.layers.attention import FeedForward, MultiHeadAttention, causal_bi
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.normalization import LayerNorm
+from gpipe_tf.layers.transformer import define_block_params
 
 _HALF_DTYPES = (tf.float16, tf.bfloat16)
 _BLOCKS = ("self_atten", "cross_atten", "ffn")
@@ -65,18 +66,7 @@ class TransformerDecoderLayer(BaseLayer):
     @classmethod
     def params(cls) -> InstantiableParams:
         """Default Params, the same fields as TransformerEncoderLayer's: model_dim, num_heads, hidden_dim, ..."""
-        p = super().params()
-        p.define("model_dim", 0, "Size of x's and the memory's last dimension.")
-        p.define("num_heads", 0, "Number of attention heads (self- and cross-attention).")
-        p.define("head_dim", 0, "Size of each attention head; 0: model_dim // num_heads.")
-        p.define("hidden_dim", 0, "Hidden size of the feed-forward block.")
-        p.define("activation", "relu", "Activation of the feed-forward hidden layer.")
-        p.define("dropout_rate", 0.0, "Residual dropout: on each block's output before it is added to x.")
-        p.define("attention_dropout_rate", 0.0, "Dropout on the attention probabilities (both attentions).")
-        p.define("relu_dropout_rate", 0.0, "Dropout on the feed-forward hidden activations.")
-        p.define("pre_norm", True, "True: normalize each block's input; False: normalize after the residual add.")
-        p.define("ln_epsilon", 1e-6, "Epsilon of the three layer norms.")
-        return p
+        return define_block_params(super().params())
 
     @classmethod
     def _child_params(cls, p: InstantiableParams) -> dict[str, InstantiableParams]:

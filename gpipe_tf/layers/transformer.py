@@ -22,6 +22,21 @@ def _split_inputs(inputs: Any) -> tuple[Any, Any]:
     return inputs, None
 
 
+def residual_block(layer: BaseLayer, theta: Mapping[str, Any], x: tf.Tensor, block: str,
+                   block_fn: Callable[[tf.Tensor], tf.Tensor], ctx: FPropContext) -> tf.Tensor:
+    """One sub-block of `layer` with its residual and layer norm, placed by `layer.p.pre_norm`.
+
+    `block` names the layer's '<block>_ln' and '<block>_residual_dropout' children (encoder and decoder layers).
+    """
+    ln_name, dropout_name = f"{block}_ln", f"{block}_residual_dropout"
+    ln, dropout = layer.children[ln_name], layer.children[dropout_name]
+    if layer.p.pre_norm:
+        out = block_fn(ln.fprop(theta[ln_name], x, ctx))
+        return x + dropout.fprop(theta[dropout_name], out, ctx)
+    out = block_fn(x)
+    return ln.fprop(theta[ln_name], x + dropout.fprop(theta[dropout_name], out, ctx), ctx)
+
+
 def define_block_params(p: InstantiableParams) -> InstantiableParams:
     """Defines the fields Transformer encoder and decoder layers share (one definition for both); returns p."""
     p.define("model_dim", 0, "Size of the input and output (last) dimension (and of the decoder's memory).")
@@ -83,14 +98,7 @@ class TransformerEncoderLayer(BaseLayer):
 
     def _residual_block(self, theta: Mapping[str, Any], x: tf.Tensor, block: str,
                         block_fn: Callable[[tf.Tensor], tf.Tensor], ctx: FPropContext) -> tf.Tensor:
-        """One sub-block with its residual: `block` names the '<block>_ln' and '<block>_residual_dropout' children."""
-        ln_name, dropout_name = f"{block}_ln", f"{block}_residual_dropout"
-        ln, dropout = self.children[ln_name], self.children[dropout_name]
-        if self.p.pre_norm:
-            out = block_fn(ln.fprop(theta[ln_name], x, ctx))
-            return x + dropout.fprop(theta[dropout_name], out, ctx)
-        out = block_fn(x)
-        return ln.fprop(theta[ln_name], x + dropout.fprop(theta[dropout_name], out, ctx), ctx)
+        return residual_block(self, theta, x, block, block_fn, ctx)
 
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         """x -> new x, or (x, paddings) -> (new x, paddings); see the class doc."""

@@ -38,7 +38,7 @@ from gpipe_tf.layers.attention import FeedForward, MultiHeadAttention, causal_bi
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.normalization import LayerNorm
-from gpipe_tf.layers.transformer import define_block_params
+from gpipe_tf.layers.transformer import define_block_params, residual_block
 
 _HALF_DTYPES = (tf.float16, tf.bfloat16)
 _BLOCKS = ("self_atten", "cross_atten", "ffn")
@@ -101,13 +101,7 @@ class TransformerDecoderLayer(BaseLayer):
     def _residual_block(self, theta: Mapping[str, Any], x: tf.Tensor, block: str,
                         block_fn: Callable[[tf.Tensor], tf.Tensor], ctx: FPropContext) -> tf.Tensor:
         """One sub-block with its residual and layer norm, placed by `pre_norm`."""
-        ln_name, dropout_name = f"{block}_ln", f"{block}_residual_dropout"
-        ln, dropout = self.children[ln_name], self.children[dropout_name]
-        if self.p.pre_norm:
-            out = block_fn(ln.fprop(theta[ln_name], x, ctx))
-            return x + dropout.fprop(theta[dropout_name], out, ctx)
-        out = block_fn(x)
-        return ln.fprop(theta[ln_name], x + dropout.fprop(theta[dropout_name], out, ctx), ctx)
+        return residual_block(self, theta, x, block, block_fn, ctx)
 
     def _cross_and_ffn(self, theta: Mapping[str, Any], x: tf.Tensor, cross_fn: Callable[[tf.Tensor], tf.Tensor],
                        ctx: FPropContext) -> tf.Tensor:

@@ -62,6 +62,7 @@ class Controller:
         self.task = params.task.instantiate()
         self.learner: Learner | None = None
         self._stop_signal: int | None = None
+        self._evaluators: dict[str, Evaluator] = {}
 
     # ----------------------------------------------------------------------------------------------- training
 
@@ -185,7 +186,10 @@ class Controller:
     def _evaluate_current(self, step: int) -> dict[str, dict[str, float]]:
         results = {}
         for name in self.params.eval.datasets:
-            values = Evaluator(self.task, name, self.params.input.get(name)).run()
+            # One Evaluator (one traced eval step) per dataset for the whole run, not a retrace per evaluation.
+            if name not in self._evaluators:
+                self._evaluators[name] = Evaluator(self.task, name, self.params.input.get(name))
+            values = self._evaluators[name].run()
             writer = SummaryWriter(self.logdir, f"eval_{name}")
             writer.scalars(step, values)
             writer.close()

@@ -6,8 +6,10 @@ import tensorflow as tf
 
 from gpipe_tf.experiment import resolve_params
 from gpipe_tf.gpipe import placement
+from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.inspect import inspect
 from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.layers.seq2seq_adapters import EncoderToDecoder
 from gpipe_tf.tasks.translation import TranslationTask
 
 VOCAB, B, S, T = 13, 4, 5, 6
@@ -15,12 +17,20 @@ BOS, EOS = 1, 2
 DEVICES = [f"/device:CPU:{i}" for i in range(2)]
 
 
-def tiny_task(dtype="float64", k=1, m=1):
-    p = TranslationTask.params().set(
+def tiny_params(dtype="float64", k=1, m=1, share=True):
+    return TranslationTask.params().set(
         name="translation", dtype=dtype, vocab_size=VOCAB, model_dim=8, num_heads=2, hidden_dim=12,
         num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0, label_smoothing=0.1,
-        num_stages=k, num_micro_batches=m, devices=DEVICES[:k])
-    return p.instantiate()
+        num_stages=k, num_micro_batches=m, devices=DEVICES[:k], share_embeddings=share)
+
+
+def tiny_task(dtype="float64", k=1, m=1, share=True):
+    return tiny_params(dtype, k, m, share).instantiate()
+
+
+def embedding_tables(task):
+    """The task's token embedding variables (the softmax's weights are not among them)."""
+    return [v for v in task.trainable_variables if "token_emb" in v.name]
 
 
 def tiny_batch():
@@ -50,17 +60,83 @@ def loss_and_grads(task, batch):
     return float(loss), float(acc), {v.name: g.numpy() for v, g in zip(task.trainable_variables, grads)}
 
 
-def test_pipelined_equals_unpipelined_loss_and_gradients():
+@pytest.mark.parametrize("share", [True, False])
+def test_pipelined_equals_unpipelined_loss_and_gradients(share):
     batch = tiny_batch()
-    ref = loss_and_grads(tiny_task(k=1, m=1), batch)
-    got = loss_and_grads(tiny_task(k=2, m=2), batch)
+    ref = loss_and_grads(tiny_task(k=1, m=1, share=share), batch)
+    got = loss_and_grads(tiny_task(k=2, m=2, share=share), batch)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-10)
     np.testing.assert_allclose(got[1], ref[1], rtol=1e-10)
     assert got[2].keys() == ref[2].keys()
     for name in ref[2]:
         np.testing.assert_allclose(got[2][name], ref[2][name], rtol=1e-9, atol=1e-12, err_msg=name)
-    # Every weight, including both embeddings and the decoder's cross-attention, gets a gradient.
+    # Every weight, including the embedding table(s) and the decoder's cross-attention, gets a gradient.
     assert all(np.any(g != 0) for name, g in ref[2].items() if "bias" not in name and "/b" not in name)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_shared_embedding_is_one_table_that_source_and_target_gradients_reach(k):
+    task = tiny_task(k=k, m=k)
+    tables = embedding_tables(task)
+    assert len(tables) == 1 and tables[0].shape == (VOCAB, 8)
+    assert len(embedding_tables(tiny_task(share=False))) == 2
+    # Source ids from {3..7}, target ids from {BOS} and {8..12}: the two halves of the table's gradient can only
+    # come from the source and from the target respectively.
+    batch = dict(tiny_batch())
+    real_src = (1 - batch["src_paddings"].numpy()).astype(np.int32)
+    real_tgt = (1 - batch["tgt_paddings"].numpy()).astype(np.int32)
+    src = (3 + batch["src_ids"].numpy() % 5) * real_src
+    tgt_out = (8 + batch["tgt_out_ids"].numpy() % 5) * real_tgt
+    tgt_in = np.concatenate([np.full((B, 1), BOS), tgt_out[:, :-1]], 1) * real_tgt
+    batch.update(src_ids=tf.constant(src, tf.int32), tgt_in_ids=tf.constant(tgt_in, tf.int32),
+                 tgt_out_ids=tf.constant(tgt_out, tf.int32))
+    _, _, grads = loss_and_grads(task, batch)
+    table_grad = grads[tables[0].name]
+    row_norms = np.abs(table_grad).sum(-1)
+    for ids in (np.unique(src[real_src > 0]), np.unique(tgt_in[real_tgt > 0])):
+        assert np.all(row_norms[ids] > 0), (ids, row_norms)
+    unused = sorted(set(range(VOCAB)) - set(src.ravel()) - set(tgt_in.ravel()))
+    assert unused and np.all(row_norms[unused] == 0)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_num_params_from_params_equals_built_variables(share):
+    p = tiny_params(share=share)
+    task = p.instantiate()
+    assert TranslationTask.num_params(p) == sum(int(np.prod(v.shape)) for v in task.trainable_variables)
+    assert TranslationTask.num_params(tiny_params(share=False)) - TranslationTask.num_params(
+        tiny_params(share=True)) == VOCAB * 8
+
+
+def test_output_specs_and_flops_from_params_with_and_without_sharing():
+    spec = (tf.TensorSpec([B, S], tf.int32), tf.TensorSpec([B, S], tf.float64), tf.TensorSpec([B, T], tf.int32),
+            tf.TensorSpec([B, T], tf.float64))
+    flops = {}
+    for share in (True, False):
+        layers = TranslationTask.network_params(tiny_params(share=share)).layers
+        specs, total = spec, 0.0
+        for lp in layers:
+            total += lp.cls.flops(lp, specs)
+            specs = lp.cls.output_spec(lp, specs)
+            if lp is layers[0]:
+                # With sharing the first stage already hands the embedded target [B, T, D] to the encoder stages.
+                assert specs[2].shape == ([B, T, 8] if share else [B, T])
+        assert specs.shape == [B, T, 8]
+        flops[share] = total
+    # Sharing moves the target lookup from EncoderToDecoder to the first layer; it does not change the work.
+    assert flops[True] == flops[False] > 0
+
+
+def test_network_must_embed_the_target_exactly_once_and_as_share_embeddings_says():
+    p = tiny_params(share=True)
+    p.network = TranslationTask.network_params(p)
+    p.share_embeddings = False
+    with pytest.raises(ParamsError, match="share_embeddings=False but"):
+        p.instantiate()
+    e2d = next(lp for lp in p.network.layers if lp.cls is EncoderToDecoder)
+    e2d.embed_target = True  # now both the SourceEmbedding and the EncoderToDecoder embed the target
+    with pytest.raises(ParamsError, match="exactly one of"):
+        p.instantiate()
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
@@ -83,9 +159,11 @@ def test_decode_in_tf_function_returns_valid_ids(beam_size):
             assert np.all(row[hits[0]:] == EOS)
 
 
-def test_greedy_decode_matches_teacher_forced_argmax():
-    # Feeding the greedy output back as the target, the full (pipelined) pass must predict the same tokens.
-    task = tiny_task(dtype="float64", k=2, m=2)
+@pytest.mark.parametrize("share", [True, False])
+def test_greedy_decode_matches_teacher_forced_argmax(share):
+    # Feeding the greedy output back as the target, the full (pipelined) pass must predict the same tokens; this
+    # also pins that step-wise decoding embeds target tokens with the table training used.
+    task = tiny_task(dtype="float64", k=2, m=2, share=share)
     batch = tiny_batch()
     max_length = 5
     ids = task.decode(batch, max_length, bos_id=BOS, eos_id=EOS).numpy()

@@ -90,13 +90,21 @@ class TokenEmbeddingWithPositions(BaseLayer):
         for name, child_params in self._child_params(self.p).items():
             self.create_child(name, child_params)
 
+    def embed_without_dropout(self, theta: Mapping[str, Any], ids: tf.Tensor, positions: tf.Tensor,
+                              ctx: FPropContext) -> tf.Tensor:
+        """emb[ids] (scaled) + positions, before dropout: for a caller that draws its own mask on a second input.
+
+        `ids` are int of any shape, `positions` int broadcastable to ids' shape; returns ids.shape + [dim].
+        """
+        emb = self.children["token_emb"].fprop(theta["token_emb"], ids, ctx)
+        pos = sinusoidal_encoding(positions, self.p.embedding_dim, emb.dtype, max_timescale=self.p.max_timescale)
+        return emb + pos
+
     def fprop_with_positions(self, theta: Mapping[str, Any], ids: tf.Tensor, positions: tf.Tensor,
                              ctx: FPropContext) -> tf.Tensor:
         """Embeds `ids` (int, any shape) at `positions` (int, broadcastable to ids' shape): ids.shape + [dim]."""
-        ch = self.children
-        emb = ch["token_emb"].fprop(theta["token_emb"], ids, ctx)
-        pos = sinusoidal_encoding(positions, self.p.embedding_dim, emb.dtype, max_timescale=self.p.max_timescale)
-        return ch["dropout"].fprop(theta["dropout"], emb + pos, ctx)
+        x = self.embed_without_dropout(theta, ids, positions, ctx)
+        return self.children["dropout"].fprop(theta["dropout"], x, ctx)
 
     def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
         """Embeds ids [B, T] at positions 0 .. T-1: returns [B, T, embedding_dim]."""

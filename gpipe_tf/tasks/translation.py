@@ -2,8 +2,13 @@
 
 The network is a GPipe over [SourceEmbedding, EncoderBlock x N, EncoderToDecoder, TransformerDecoderLayer x M,
 FinalNorm] (see layers/seq2seq_adapters.py), so source and target tensors of a micro-batch travel together from
-stage to stage. Decoding does not use the pipeline: it runs the same child layers in order, un-pipelined, once for
-the encoder, then one decoder step at a time with cached keys and values.
+stage to stage. With `share_embeddings` (the default, as in the GPipe paper and Lingvo), the first stage embeds
+source and target ids with one table and the embedded target travels through the encoder stages; otherwise
+EncoderToDecoder embeds the target with a second table. The output softmax is never tied to the embedding.
+
+Decoding does not use the pipeline: it runs the same child layers in order, un-pipelined, once for the encoder,
+then one decoder step at a time with cached keys and values, embedding each new target token with the table that
+training used for the target.
 """
 
 from __future__ import annotations
@@ -27,13 +32,13 @@ def translation_layers(p: InstantiableParams) -> list[InstantiableParams]:
     """The flat pipeline layer list of a TranslationTask's Params (order: module doc)."""
     common = dict(model_dim=p.model_dim, num_heads=p.num_heads, hidden_dim=p.hidden_dim,
                   dropout_rate=p.dropout_rate)
-    layers = [SourceEmbedding.params().set(name="src_emb", vocab_size=p.vocab_size, model_dim=p.model_dim,
-                                           dropout_rate=p.dropout_rate)]
+    embedding = dict(vocab_size=p.vocab_size, model_dim=p.model_dim, dropout_rate=p.dropout_rate)
+    layers = [SourceEmbedding.params().set(name="src_emb", embed_target=p.share_embeddings, **embedding)]
     for i in range(p.num_encoder_layers):
         layers.append(EncoderBlock.params().set(name=f"encoder_{i}",
                                                 layer=TransformerEncoderLayer.params().set(**common)))
-    layers.append(EncoderToDecoder.params().set(name="enc_to_dec", vocab_size=p.vocab_size, model_dim=p.model_dim,
-                                                dropout_rate=p.dropout_rate))
+    layers.append(EncoderToDecoder.params().set(name="enc_to_dec", embed_target=not p.share_embeddings,
+                                                **embedding))
     for i in range(p.num_decoder_layers):
         layers.append(TransformerDecoderLayer.params().set(name=f"decoder_{i}", **common))
     layers.append(FinalNorm.params().set(name="final_norm", model_dim=p.model_dim))
@@ -51,6 +56,9 @@ class TranslationTask(BaseTask):
         """Default Params: model sizes, dropout, label smoothing and the pipeline's K, M, remat and schedule."""
         p = super().params()
         p.define("vocab_size", 0, "Shared source/target vocabulary size.")
+        p.define("share_embeddings", True, "One embedding table for source and target ids, in the first pipeline "
+                 "stage (the GPipe paper's and Lingvo's setting: an input embedding plus an untied softmax). False: "
+                 "EncoderToDecoder embeds the target with a table of its own (three vocabulary-sized matrices).")
         p.define("model_dim", 0, "Transformer model dimension.")
         p.define("num_heads", 0, "Attention heads.")
         p.define("hidden_dim", 0, "Feed-forward hidden size.")
@@ -80,29 +88,46 @@ class TranslationTask(BaseTask):
         if p.vocab_size <= 1 or p.model_dim <= 0 or p.num_heads <= 0 or p.hidden_dim <= 0:
             raise ParamsError(f"{self.path}: vocab_size, model_dim, num_heads and hidden_dim must be positive, got "
                               f"{p.vocab_size}, {p.model_dim}, {p.num_heads}, {p.hidden_dim}")
+        layers = self._checked_layers(p, self.path)
         network = p.network if p.network is not None else self.network_params(p)
-        layers = list(network.layers)
         self.network = self.create_child("network", network)
         self.softmax = self.create_child("softmax", SoftmaxCrossEntropy.params().set(
             input_dim=p.model_dim, num_classes=p.vocab_size, label_smoothing=p.label_smoothing))
         # Global indices of the pieces in the flat list, for un-pipelined decoding; read from the list itself so
         # that a hand-edited `network` is decoded as built.
+        self._e2d_index = [lp.cls for lp in layers].index(EncoderToDecoder)
+        # The layer whose table embeds target ids in training, and so in decoding.
+        self._target_embedder_index = 0 if p.share_embeddings else self._e2d_index
+        self._decoder_indices = list(range(self._e2d_index + 1, len(layers) - 1))
+        self._final_index = len(layers) - 1
+
+    @classmethod
+    def _checked_layers(cls, p: InstantiableParams, path: str) -> list[InstantiableParams]:
+        """The network's layer Params, checked for the order of translation_layers and for share_embeddings."""
+        layers = translation_layers(p) if p.network is None else list(p.network.layers)
         classes = [lp.cls for lp in layers]
         if (classes.count(EncoderToDecoder) != 1 or classes[0] is not SourceEmbedding
                 or classes[-1] is not FinalNorm):
-            raise ParamsError(f"{self.path}.network.layers must be SourceEmbedding, encoder blocks, one "
+            raise ParamsError(f"{path}.network.layers must be SourceEmbedding, encoder blocks, one "
                               "EncoderToDecoder, decoder layers, FinalNorm; see translation_layers")
-        self._e2d_index = classes.index(EncoderToDecoder)
-        self._decoder_indices = list(range(self._e2d_index + 1, len(layers) - 1))
-        if not all(c is TransformerDecoderLayer for c in classes[self._e2d_index + 1:-1]):
-            raise ParamsError(f"{self.path}.network.layers: only TransformerDecoderLayer may follow EncoderToDecoder")
-        self._final_index = len(layers) - 1
+        e2d_index = classes.index(EncoderToDecoder)
+        if not all(c is TransformerDecoderLayer for c in classes[e2d_index + 1:-1]):
+            raise ParamsError(f"{path}.network.layers: only TransformerDecoderLayer may follow EncoderToDecoder")
+        shared = bool(layers[0].embed_target)
+        if shared == bool(layers[e2d_index].embed_target):
+            raise ParamsError(f"{path}.network.layers: exactly one of the SourceEmbedding and the "
+                              "EncoderToDecoder must have embed_target=True")
+        if shared != bool(p.share_embeddings):
+            # The network is spelled out, so share_embeddings alone would silently change nothing.
+            raise ParamsError(f"{path}.share_embeddings={p.share_embeddings} but the network's SourceEmbedding has "
+                              f"embed_target={shared}: set the network's layers to match (see translation_layers)")
+        return layers
 
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:
         """The pipeline's layers plus the softmax, from Params alone."""
         sp = SoftmaxCrossEntropy.params().set(input_dim=p.model_dim, num_classes=p.vocab_size)
-        layers = translation_layers(p) if p.network is None else list(p.network.layers)
+        layers = cls._checked_layers(p, p.name or "translation")
         return sum(lp.cls.num_params(lp) for lp in layers) + sp.cls.num_params(sp)
 
     def _network_inputs(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, ...]:
@@ -154,6 +179,7 @@ class TranslationTask(BaseTask):
             state = layer.fprop(net_theta[name], state, ctx)
         e2d, e2d_name = self._layer(self._e2d_index)
         memory = e2d.encoder_memory(net_theta[e2d_name], state[0], ctx)
+        embedder, embedder_name = self._layer(self._target_embedder_index)
 
         caches = []
         for j in self._decoder_indices:
@@ -164,7 +190,7 @@ class TranslationTask(BaseTask):
 
         def step_fn(ids_t: tf.Tensor, step_state: Any, t: tf.Tensor) -> tuple[tf.Tensor, Any]:
             positions = tf.fill(tf.shape(ids_t[:, tf.newaxis]), t)
-            x = e2d.embed_target(net_theta[e2d_name], ids_t[:, tf.newaxis], positions, ctx)
+            x = embedder.embed_target(net_theta[embedder_name], ids_t[:, tf.newaxis], positions, ctx)
             new_caches = []
             for j, cache in zip(self._decoder_indices, step_state["caches"]):
                 layer, name = self._layer(j)

@@ -28,6 +28,7 @@ class NumbersTiny(Experiment):
     hidden_dim = 256
     num_encoder_layers = 2
     num_decoder_layers = 2
+    share_embeddings = True  # one source/target embedding table (the languages share one vocabulary)
     dropout_rate = 0.1
     label_smoothing = 0.1
     batch_size = 64
@@ -48,8 +49,8 @@ class NumbersTiny(Experiment):
         p = TranslationTask.params().set(
             name="translation", dtype=self.dtype, vocab_size=self.vocab_size, model_dim=self.model_dim,
             num_heads=self.num_heads, hidden_dim=self.hidden_dim, num_encoder_layers=self.num_encoder_layers,
-            num_decoder_layers=self.num_decoder_layers, dropout_rate=self.dropout_rate,
-            label_smoothing=self.label_smoothing, num_stages=self.num_stages,
+            num_decoder_layers=self.num_decoder_layers, share_embeddings=self.share_embeddings,
+            dropout_rate=self.dropout_rate, label_smoothing=self.label_smoothing, num_stages=self.num_stages,
             num_micro_batches=self.num_micro_batches, remat=self.remat, schedule=self.schedule)
         # Spelled out in the tree so that inspect and --params (task.network.num_stages=...) see the pipeline.
         p.network = TranslationTask.network_params(p)

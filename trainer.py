@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 from absl import app, flags, logging
 
@@ -43,6 +44,16 @@ flags.DEFINE_bool("quiet", False, "No progress lines (warnings, errors and resul
 flags.DEFINE_string("profile_steps", None, "START,END: capture a TF profiler trace of those steps into the logdir "
                     "(TensorBoard's Profile tab; pip install -e '.[profile]').")
 flags.DEFINE_bool("json", False, "--mode=inspect: print one JSON object.")
+flags.DEFINE_integer("num_replicas", None, "Data-parallel pipeline replicas in this process (overrides "
+                     "train.num_replicas); replica r's stage k runs on device r*K+k.")
+flags.DEFINE_list("worker_hosts", [], "Multi-worker data parallelism: host:port of every trainer process, the chief "
+                  "first (writes TF_CONFIG; or set TF_CONFIG yourself). Each process runs its replicas' pipelines "
+                  "and tf.distribute all-reduces gradients across processes.")
+flags.DEFINE_integer("task_index", 0, "With --worker_hosts: this process's index in that list (0: the chief).")
+flags.DEFINE_list("stage_workers", [], "Place pipeline stages on these TF servers (host:port each, "
+                  "stage k on /job:worker/replica:0/task:k), for pipelines that span processes or hosts.")
+flags.DEFINE_integer("local_stage_workers", None, "Start this many single-thread TF servers on 127.0.0.1 and place "
+                     "pipeline stages on them: a faithful CPU simulation of one device per stage.")
 
 
 def _fail(message: str) -> None:
@@ -61,8 +72,9 @@ def _main(argv: list[str]) -> None:
         return
     if not FLAGS.model:
         _fail("--model is required; run with --list_models to see the registered keys")
-    overrides = ",".join(part for part in (FLAGS.params, None if FLAGS.max_steps is None
-                                           else f"train.max_steps={FLAGS.max_steps}") if part)
+    overrides = ",".join(part for part in (
+        FLAGS.params, None if FLAGS.max_steps is None else f"train.max_steps={FLAGS.max_steps}",
+        None if FLAGS.num_replicas is None else f"train.num_replicas={FLAGS.num_replicas}") if part)
     params, gin_config = experiment.resolve_params(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
     # Resolving Params runs no TensorFlow op, so the CPU can still be split here.
     num_devices = FLAGS.logical_devices or params.logical_devices
@@ -84,11 +96,16 @@ def _main(argv: list[str]) -> None:
     from gpipe_tf.training.controller import Controller
 
     profile = _parse_profile_steps(FLAGS.profile_steps)
-    if FLAGS.mode in ("train", "train_and_eval"):
-        logdir_lib.prepare(FLAGS.logdir, params)
-        with open(os.path.join(FLAGS.logdir, "operative_config.gin"), "w", encoding="utf-8") as f:
-            f.write(gin_config)
-        controller = Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet, profile_steps=profile)
+    training = FLAGS.mode in ("train", "train_and_eval")
+    layout = _replica_layout(params) if training else None
+    _connect_stage_workers()
+    if training:
+        if layout.is_chief:
+            logdir_lib.prepare(FLAGS.logdir, params)
+            with open(os.path.join(FLAGS.logdir, "operative_config.gin"), "w", encoding="utf-8") as f:
+                f.write(gin_config)
+        controller = Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet, profile_steps=profile,
+                                layout=layout)
         controller.train(evaluate_every=params.train.eval_interval_steps if FLAGS.mode == "train_and_eval" else None)
     elif FLAGS.mode == "eval":
         logdir_lib.check_compatible(FLAGS.logdir, params)
@@ -98,6 +115,43 @@ def _main(argv: list[str]) -> None:
         from gpipe_tf.training import decoder
         logdir_lib.check_compatible(FLAGS.logdir, params)
         decoder.decode(params.task.instantiate(), params, FLAGS.logdir, _print)
+
+
+def _replica_layout(params: Any) -> Any:
+    """This process's data-parallel layout: --worker_hosts/TF_CONFIG workers and train.num_replicas here."""
+    from gpipe_tf.training import replicas
+
+    if FLAGS.worker_hosts:
+        replicas.write_tf_config(FLAGS.worker_hosts, FLAGS.task_index)
+    if (FLAGS.stage_workers or FLAGS.local_stage_workers) and os.environ.get("TF_CONFIG"):
+        _fail("--stage_workers/--local_stage_workers and multi-worker data parallelism (--worker_hosts or "
+              "TF_CONFIG) cannot be combined in one process yet; use one of them")
+    return replicas.make_layout(params.train.num_replicas)
+
+
+_STAGE_WORKERS: list[Any] = []
+
+
+def _connect_stage_workers() -> None:
+    """--stage_workers / --local_stage_workers: connect to (or start) TF servers; 'auto' stages go there."""
+    if not (FLAGS.stage_workers or FLAGS.local_stage_workers):
+        return
+    from gpipe_tf import workers
+    from gpipe_tf.gpipe import placement
+
+    if FLAGS.stage_workers and FLAGS.local_stage_workers:
+        _fail("give --stage_workers or --local_stage_workers, not both")
+    if FLAGS.local_stage_workers:
+        if FLAGS.local_stage_workers < 1:
+            _fail(f"--local_stage_workers={FLAGS.local_stage_workers} must be >= 1")
+        local = workers.LocalWorkers(FLAGS.local_stage_workers).start()
+        _STAGE_WORKERS.append(local)  # stopped at exit; the servers also die with this process
+        spec = local.spec
+    else:
+        spec = workers.cluster_spec(FLAGS.stage_workers)
+    names = workers.connect(spec)
+    placement.set_auto_kind("workers")
+    _print(f"pipeline stages on {len(names)} TF servers: {', '.join(spec[workers.JOB])}")
 
 
 def _print(line: str) -> None:
@@ -132,6 +186,9 @@ def main(argv: list[str]) -> None:
     except TrainingError as e:
         print(f"trainer.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        for local in _STAGE_WORKERS:
+            local.stop()
 
 
 def run() -> None:

@@ -10,6 +10,7 @@ configurations, so a slow moment of the machine hits all of them alike; compare 
 
   python -m bench.pipeline --quick        # reduced set, under 10 minutes on 2 cores
   python -m bench.pipeline                # everything
+  python -m bench.pipeline --dxk          # D x K data parallelism on 4 logical CPUs (bench/data_parallel.py)
 """
 
 from __future__ import annotations
@@ -225,7 +226,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="timed steps per configuration and round")
     parser.add_argument("--skip-memory", action="store_true", help="speed only")
     parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dxk", action="store_true", help="D x K mode instead: throughput of D=2,K=1 / D=1,K=2 / "
+                        "D=2,K=2 vs D=1,K=1 on 4 logical CPU devices (runs bench.data_parallel)")
     args = parser.parse_args()
+    if args.dxk:
+        cmd = [sys.executable, "-m", "bench.data_parallel", "--repeats", str(min(args.repeats, 3))]
+        sys.exit(subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).returncode)
     if args.memory_worker:
         memory_worker(args.quick)
         return

@@ -25,4 +25,6 @@ def split_cpu(num_devices: int) -> list[str]:
             return [d.name for d in tf.config.list_logical_devices("CPU")]
         raise ConfigError(f"cannot split the CPU into {num_devices} logical devices: TensorFlow is already "
                           f"initialized with {existing} ({e}); set it before any TensorFlow op runs") from None
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+    # Named without asking TensorFlow: listing devices would start its runtime, and a multi-worker strategy
+    # created next must still be able to configure it.
+    return [f"/device:CPU:{i}" for i in range(num_devices)]

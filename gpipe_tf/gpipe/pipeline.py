@@ -38,7 +38,8 @@ class GPipe(BaseLayer):
     """Runs `layers` as a K-stage pipeline over M micro-batches; numerically the same as running them in order."""
 
     # Gradient accumulators are scratch space, not model state: kept out of checkpoints and variable lists.
-    _TF_MODULE_IGNORED_PROPERTIES = frozenset(("gradient_sums",)) | BaseLayer._TF_MODULE_IGNORED_PROPERTIES
+    _TF_MODULE_IGNORED_PROPERTIES = (frozenset(("gradient_sums", "replica_gradient_sums"))
+                                     | BaseLayer._TF_MODULE_IGNORED_PROPERTIES)
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -55,7 +56,11 @@ class GPipe(BaseLayer):
         p.define("input_dtype", "float32", "dtype of that input, for balance_by 'flops' or 'time'.")
         p.define("remat", "never", f"Rematerialization policy: one of {remat.POLICIES}.")
         p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
-        p.define("devices", None, "Explicit device strings, one per stage; overrides device_kind.")
+        p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "
+                 "overrides device_kind.")
+        p.define("num_replicas", None, "D: data-parallel replicas of this pipeline in this process, replica r's "
+                 "stage k on device r*K+k (placement.replica_stage_devices); None: the trainer's "
+                 "train.num_replicas.")
         p.define("schedule", "unrolled", f"How the fill-drain schedule is built: one of {tuple(SCHEDULERS)}. "
                  "'unrolled': every (stage, micro-batch) step is its own placed op group with an explicit backward "
                  "order; fastest across devices, graph grows with M. 'loop': a while loop over micro-batches; "
@@ -82,12 +87,15 @@ class GPipe(BaseLayer):
             remat.stage_uses_remat(p.remat, stage, k)  # validates the policy name
         if p.schedule not in SCHEDULERS:
             raise ParamsError(f"{self.path}.schedule={p.schedule!r} is not one of {tuple(SCHEDULERS)}")
-        if p.devices is not None and len(p.devices) != k:
-            raise ParamsError(f"{self.path}.devices has {len(p.devices)} entries; give one per stage ({k})")
-        self.devices = list(p.devices) if p.devices is not None else placement.stage_devices(k, p.device_kind)
+        num_replicas = placement.num_replicas() if p.num_replicas is None else p.num_replicas
+        self.replica_devices = self._replica_devices(num_replicas)
+        self.devices = self.replica_devices[0]
         self.balance, self.costs, cost_name = self._partition(layers)
-        pipeline_id = placement.new_pipeline_id()
-        self.stage_scopes = [placement.stage_scope(pipeline_id, s, d) for s, d in enumerate(self.devices)]
+        self.replica_scopes = []
+        for devices in self.replica_devices:
+            pipeline_id = placement.new_pipeline_id()
+            self.replica_scopes.append([placement.stage_scope(pipeline_id, s, d) for s, d in enumerate(devices)])
+        self.stage_scopes = self.replica_scopes[0]
         self.stage_layers: list[list[str]] = []
         start = 0
         for stage, size in enumerate(self.balance):
@@ -102,23 +110,48 @@ class GPipe(BaseLayer):
             start += size
         counts = [sum(v.shape.num_elements() for n in names for v in self.children[n].trainable_variables)
                   for names in self.stage_layers]
-        # One gradient sum per weight, on its stage's device, allocated once: the unrolled schedule adds each
-        # micro-batch's gradient into it in place.
-        sums: list[list[tf.Variable]] = []
+        # One gradient sum per weight and replica, on the replica's stage device, allocated once: the unrolled
+        # schedule adds each micro-batch's gradient into it in place.
+        replica_sums: list[list[list[tf.Variable]]] = []
         # object.__setattr__ bypasses checkpoint tracking; the ignored-properties set hides them from .variables.
-        object.__setattr__(self, "gradient_sums", sums)
+        object.__setattr__(self, "replica_gradient_sums", replica_sums)
         if p.schedule == "unrolled":
-            for stage, names in enumerate(self.stage_layers):
-                with tf.device(self.devices[stage]):
-                    flat = tf.nest.flatten({n: self.children[n].theta for n in names})
-                    sums.append([tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                             name=f"{self.path}/gradient_sum_{stage}_{j}")
-                                 for j, v in enumerate(flat)])
+            for r, devices in enumerate(self.replica_devices):
+                sums = []
+                for stage, names in enumerate(self.stage_layers):
+                    with tf.device(devices[stage]):
+                        flat = tf.nest.flatten({n: self.children[n].theta for n in names})
+                        sums.append([tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                                 name=f"{self.path}/gradient_sum_{r}_{stage}_{j}")
+                                     for j, v in enumerate(flat)])
+                replica_sums.append(sums)
+        object.__setattr__(self, "gradient_sums", replica_sums[0] if replica_sums else [])
         self.partition_rows = [
-            partition.StageInfo(stage=s, layers=names, params=counts[s], device=self.devices[s],
+            partition.StageInfo(stage=s, layers=names, params=counts[s],
+                                device=" ".join(devices[s] for devices in self.replica_devices),
                                 cost=sum(self.costs[int(n.split("_")[1])] for n in names))
             for s, names in enumerate(self.stage_layers)]
         self.cost_name = cost_name
+
+    def _replica_devices(self, num_replicas: int) -> list[list[str]]:
+        p, k = self.p, self.p.num_stages
+        if num_replicas < 1:
+            raise ParamsError(f"{self.path}.num_replicas={num_replicas} must be >= 1")
+        if p.devices is None:
+            return placement.replica_stage_devices(num_replicas, k, p.device_kind)
+        nested = [list(d) for d in p.devices] if p.devices and not isinstance(p.devices[0], str) else [
+            list(p.devices)]
+        if len(nested) != num_replicas or any(len(d) != k for d in nested):
+            raise ParamsError(f"{self.path}.devices={p.devices!r} must hold one device per stage ({k}), or {k} "
+                              f"devices for each of the {num_replicas} replicas")
+        return nested
+
+    def replica(self, index: int) -> "GPipe | PipelineReplica":
+        """The pipeline as local replica `index` runs it: its own devices, stage scopes and gradient sums."""
+        if not 0 <= index < len(self.replica_devices):
+            raise ParamsError(f"{self.path}: replica {index} does not exist; this pipeline was built with "
+                              f"{len(self.replica_devices)} (train.num_replicas)")
+        return self if index == 0 else PipelineReplica(self, index)
 
     def _sample_spec(self) -> tf.TensorSpec:
         if self.p.micro_batch_shape is None:
@@ -183,13 +216,14 @@ class GPipe(BaseLayer):
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         """Runs the pipeline on a mini-batch (any nested structure with a common leading batch dimension)."""
         microbatch.check_divisible(inputs, self.p.num_micro_batches)
+        pipe = self.replica(placement.current_replica())
         # Weights are read once per step on their stage's device and enter the schedule as tensors.
         stage_theta = []
         for stage, names in enumerate(self.stage_layers):
-            with tf.device(self.devices[stage]):
+            with tf.device(pipe.devices[stage]):
                 stage_theta.append({n: tf.nest.map_structure(tf.identity, theta[n]) for n in names})
         scheduler = SCHEDULERS[self.p.schedule]
-        return scheduler(self, stage_theta, inputs, ctx)
+        return scheduler(pipe, stage_theta, inputs, ctx)
 
     # Costs from Params alone are those of the same layers run in sequence.
     @classmethod
@@ -206,3 +240,18 @@ class GPipe(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
         """Sum of the layers' flops."""
         return Sequential.flops(p, input_spec)
+
+
+class PipelineReplica:
+    """A GPipe layer seen as one of its data-parallel replicas: the same layers and weights, run on the replica's
+    own devices with its own stage scopes and gradient sums (what the schedulers read)."""
+
+    def __init__(self, pipe: GPipe, index: int) -> None:
+        self._pipe = pipe
+        self.index = index
+        self.devices = pipe.replica_devices[index]
+        self.stage_scopes = pipe.replica_scopes[index]
+        self.gradient_sums = pipe.replica_gradient_sums[index] if pipe.replica_gradient_sums else []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)

@@ -9,6 +9,12 @@ One abstraction for every kind of device: `stage_devices(K, kind)` returns K Ten
   CPU simulation) or on other hosts, after `tf.config.experimental_connect_to_cluster`.
 * ``auto``: GPUs if any, else TPU cores if any, else logical CPUs.
 
+Data parallelism (D replicas of a K-stage pipeline, `train.num_replicas`): `replica_stage_devices(D, K, kind)` is
+the one mapping from (replica r, stage k) to a device, `devices[r * K + k]`, so a replica's stages are neighbours
+(on GPUs, one NVLink island per replica). The partition table prints it. While the trainer builds a task,
+`replicas(D)` tells every pipeline how many replicas to prepare; while it traces replica r's step,
+`on_replica(r)` tells them which one runs.
+
 TensorFlow's autodiff does not place gradient ops next to their forward ops inside `tf.function` (a while loop's
 backward body gets no device at all), so the whole backward would run on one device. `colocate_gradients()`
 installs a device function for the duration of a `tape.gradient` call: every gradient op created under a pipeline
@@ -34,10 +40,22 @@ _SCOPE_IDS = itertools.count()
 _SCOPE_RE = re.compile(r"gpipe\d+_stage\d+")
 
 
+_AUTO_KIND: dict[str, str | None] = {"kind": None}
+
+
+def set_auto_kind(kind: str | None) -> None:
+    """Makes device_kind 'auto' mean `kind` in this process (the trainer's --stage_workers); None: the default."""
+    if kind is not None and kind not in DEVICE_KINDS[1:]:
+        raise ParamsError(f"device kind {kind!r} is not one of {DEVICE_KINDS[1:]}")
+    _AUTO_KIND["kind"] = kind
+
+
 def stage_devices(num_stages: int, kind: str = "auto", worker_job: str = "worker") -> list[str]:
     """Device strings for `num_stages` stages of kind `kind` (see the module doc); round-robin if fewer devices."""
     if kind not in DEVICE_KINDS:
         raise ParamsError(f"device kind {kind!r} is not one of {DEVICE_KINDS}")
+    if kind == "auto" and _AUTO_KIND["kind"]:
+        kind = _AUTO_KIND["kind"]
     if kind == "workers":
         return [f"/job:{worker_job}/replica:0/task:{k}/device:CPU:0" for k in range(num_stages)]
     if kind == "auto":
@@ -46,6 +64,65 @@ def stage_devices(num_stages: int, kind: str = "auto", worker_job: str = "worker
     if not devices:
         raise ParamsError(f"no {kind.upper()} devices are visible; use device_kind='auto' or 'cpu'")
     return [devices[k % len(devices)] for k in range(num_stages)]
+
+
+def replica_stage_devices(num_replicas: int, num_stages: int, kind: str = "auto",
+                          worker_job: str = "worker") -> list[list[str]]:
+    """Devices of D replicas of a K-stage pipeline: replica r, stage k on device r * K + k of `kind`.
+
+    Needs D * K devices except on logical CPUs and workers of one process, where stages may share devices
+    (round-robin, for correctness runs); a GPU or TPU host with too few devices is a clear error.
+    """
+    if num_replicas < 1:
+        raise ParamsError(f"num_replicas={num_replicas} must be >= 1")
+    if kind == "workers" or (kind == "auto" and _AUTO_KIND["kind"] == "workers"):
+        if num_replicas > 1:
+            raise ParamsError(f"num_replicas={num_replicas} with device_kind='workers': the stage workers hold one "
+                              "replica; run one trainer per replica (TF_CONFIG, README 'Scaling out') instead")
+        return [stage_devices(num_stages, "workers", worker_job)]
+    flat = stage_devices(num_replicas * num_stages, kind)
+    resolved = flat[0].split("device:")[-1].split(":")[0] if flat else "CPU"
+    if resolved != "CPU":
+        available = len(tf.config.list_logical_devices(resolved))
+        if available < num_replicas * num_stages:
+            raise ParamsError(f"{num_replicas} replicas x {num_stages} stages need {num_replicas * num_stages} "
+                              f"{resolved} devices, {available} are visible; lower train.num_replicas or num_stages")
+    return [flat[r * num_stages:(r + 1) * num_stages] for r in range(num_replicas)]
+
+
+_REPLICAS = {"count": 1, "current": 0}
+
+
+@contextlib.contextmanager
+def replicas(num_replicas: int) -> Iterator[None]:
+    """Pipelines built in this context prepare `num_replicas` data-parallel replicas (devices, gradient sums)."""
+    previous = _REPLICAS["count"]
+    _REPLICAS["count"] = num_replicas
+    try:
+        yield
+    finally:
+        _REPLICAS["count"] = previous
+
+
+def num_replicas() -> int:
+    """The replica count pipelines built now prepare (1 outside `replicas(...)`)."""
+    return _REPLICAS["count"]
+
+
+@contextlib.contextmanager
+def on_replica(replica: int) -> Iterator[None]:
+    """Pipelines traced in this context run as local replica `replica` (its devices and gradient sums)."""
+    previous = _REPLICAS["current"]
+    _REPLICAS["current"] = replica
+    try:
+        yield
+    finally:
+        _REPLICAS["current"] = previous
+
+
+def current_replica() -> int:
+    """The local replica being traced (0 outside `on_replica(...)`)."""
+    return _REPLICAS["current"]
 
 
 def new_pipeline_id() -> int:

@@ -8,6 +8,10 @@ Failures lose nothing: SIGTERM/SIGINT save a checkpoint and end the run normally
 stops it before the bad update reaches the variables, without saving, so the latest checkpoint is the last good
 one (or the step is skipped, `train.skip_nonfinite_steps`); a checkpoint that cannot be written (a full disk)
 stops it and leaves the previous checkpoint the latest.
+
+Data parallelism (training/replicas.py): the task is built with one pipeline replica per local replica; in a
+multi-worker run only the chief writes checkpoints, summaries and reports, and every worker starts from the chief's
+variables and step.
 """
 
 from __future__ import annotations
@@ -19,14 +23,39 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from gpipe_tf.errors import TrainingError
+from gpipe_tf.errors import ConfigError, TrainingError
+from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.hyperparams import Params
+from gpipe_tf.layers.base_layer import BaseLayer
 from gpipe_tf.training import checkpoints, pipeline_report
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner
+from gpipe_tf.training.replicas import ReplicaLayout
 from gpipe_tf.training.summaries import SummaryWriter
 
 DONE_FILE = "TRAINING_DONE"
+
+
+class _NoSummaries:
+    """The summary writer of a non-chief worker: the chief writes the run's summaries."""
+
+    def scalars(self, step: int, values: Any) -> None:
+        """Writes nothing."""
+
+    def text(self, step: int, name: str, text: str) -> None:
+        """Writes nothing."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def home_devices(task: BaseLayer, local_replicas: int) -> list[str]:
+    """Each local replica's first-stage device: that of the task's first pipeline, else device r."""
+    pipes = [m for m in task.submodules if isinstance(m, GPipe)]
+    if pipes:
+        return [devices[0] for devices in pipes[0].replica_devices]
+    return [devices[0] for devices in placement.replica_stage_devices(local_replicas, 1, "auto")]
 
 
 def _format_eta(seconds: float) -> str:
@@ -53,13 +82,18 @@ class Controller:
     """Builds a task, its learner and checkpointing from resolved Params and runs train or eval."""
 
     def __init__(self, params: Params, logdir: str, log: Callable[[str], None] = print,
-                 quiet: bool = False, profile_steps: tuple[int, int] | None = None) -> None:
+                 quiet: bool = False, profile_steps: tuple[int, int] | None = None,
+                 layout: ReplicaLayout | None = None) -> None:
         self.params = params
         self.logdir = logdir
         self.log = log
         self.progress = (lambda s: None) if quiet else log
         self.profile_steps = profile_steps
-        self.task = params.task.instantiate()
+        # `layout`: this process's data-parallel replicas (replicas.make_layout); None: one replica.
+        self.layout = layout or ReplicaLayout()
+        with placement.replicas(self.layout.local_replicas):
+            self.task = params.task.instantiate()
+        self.layout.attach_devices(home_devices(self.task, self.layout.local_replicas))
         self.learner: Learner | None = None
         self._stop_signal: int | None = None
         self._evaluators: dict[str, Evaluator] = {}
@@ -68,7 +102,12 @@ class Controller:
 
     def _build_training(self) -> None:
         tp = self.params.train
-        self.learner = Learner(self.task, tp)
+        batch_size = self.params.input.train.batch_size
+        if batch_size % self.layout.num_replicas:
+            raise ConfigError(f"input.train.batch_size={batch_size} is not divisible by the "
+                              f"{self.layout.num_replicas} data-parallel replicas; use a multiple of "
+                              f"{self.layout.num_replicas} (each replica gets an equal slice)")
+        self.learner = Learner(self.task, tp, self.layout)
         self.train_input = self.params.input.train.instantiate()
         self.train_iterator = iter(self.train_input.dataset())
         self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.learner.optimizer,
@@ -80,6 +119,8 @@ class Controller:
         self._stop_signal = signum
 
     def _save(self, step: int) -> None:
+        if not self.layout.is_chief:
+            return
         try:
             self.manager.save(checkpoint_number=step)
         except (OSError, tf.errors.OpError) as e:
@@ -96,20 +137,26 @@ class Controller:
         self._build_training()
         tp = self.params.train
         done_path = os.path.join(self.logdir, DONE_FILE)
-        if os.path.exists(done_path):
+        if self.layout.is_chief and os.path.exists(done_path):
             os.remove(done_path)
         restored = checkpoints.restore_latest(self.checkpoint, self.logdir, warn=self.log)
+        # Every worker continues from the chief's state, whether or not it could read the checkpoint itself.
+        self.layout.broadcast_from_chief([*self.task.variables, *self.learner.optimizer.variables,
+                                          self.learner.global_step])
         step = int(self.learner.global_step.numpy())
+        if self.layout.num_replicas > 1:
+            self.log(self.layout.describe())
         if restored:
             self.log(f"resumed from {restored} at step {step}")
         if step >= tp.max_steps:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")
             self._mark_done(step)
             return {}
-        writer = SummaryWriter(self.logdir, "train")
+        writer: Any = SummaryWriter(self.logdir, "train") if self.layout.is_chief else _NoSummaries()
         if step == 0:
             writer.text(0, "params", self.params.to_text())
-        pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
+        if self.layout.is_chief:
+            pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             metrics = self._loop(step, writer, evaluate_every)
@@ -153,14 +200,14 @@ class Controller:
                 log_step, log_time = step, now
             if step % tp.save_interval_steps == 0 or step == tp.max_steps:
                 self._save(step)
-            if evaluate_every and step % evaluate_every == 0 and step < tp.max_steps:
+            if evaluate_every and step % evaluate_every == 0 and step < tp.max_steps and self.layout.is_chief:
                 self._evaluate_current(step)
             if self._stop_signal is not None:
                 self._save(step)
                 self.log(f"stopped by signal {signal.Signals(self._stop_signal).name} at step {step}; "
                          f"checkpoint saved, run again to resume")
                 return {k: float(v) for k, v in metrics.items()}
-        if evaluate_every is not None:
+        if evaluate_every is not None and self.layout.is_chief:
             self._evaluate_current(step)
         self._mark_done(step)
         return {k: float(v) for k, v in metrics.items()}
@@ -178,6 +225,8 @@ class Controller:
                             "--params=train.skip_nonfinite_steps=True")
 
     def _mark_done(self, step: int) -> None:
+        if not self.layout.is_chief:
+            return
         with open(os.path.join(self.logdir, DONE_FILE), "w", encoding="utf-8") as f:
             f.write(f"{step}\n")
 

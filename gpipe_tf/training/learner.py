@@ -10,10 +10,12 @@ from typing import Mapping
 
 import tensorflow as tf
 
-from gpipe_tf.hyperparams import Params
+from gpipe_tf.gpipe import microbatch, placement
+from gpipe_tf.hyperparams import ParamsError, Params
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
-from gpipe_tf.tasks.base_task import BaseTask
+from gpipe_tf.tasks.base_task import BaseTask, Metrics
 from gpipe_tf.training import optimizers, schedules
+from gpipe_tf.training.replicas import ReplicaLayout
 
 
 def training_params() -> Params:
@@ -31,6 +33,9 @@ def training_params() -> Params:
     p.define("summary_interval_steps", 10, "Write TensorBoard scalars every this many steps.")
     p.define("log_interval_steps", 50, "Print a progress line every this many steps.")
     p.define("eval_interval_steps", 0, "--mode=train_and_eval: evaluate every this many steps (0: at the end).")
+    p.define("num_replicas", 1, "Data-parallel replicas of the model (each a whole pipeline) in this process: "
+             "replica r's stage k on device r*K+k; the global batch is split over the replicas of all processes "
+             "and their gradients all-reduced (README 'Scaling out').")
     p.define("skip_nonfinite_steps", False, "On a NaN/Inf loss or gradient: False stops training (the last good "
              "checkpoint stays the latest); True skips that step's update and goes on.")
     return p
@@ -39,10 +44,11 @@ def training_params() -> Params:
 class Learner(tf.Module):
     """Owns the global step, optimizer and schedule for one task; `train_step` is one `tf.function` step."""
 
-    def __init__(self, task: BaseTask, train_params: Params) -> None:
+    def __init__(self, task: BaseTask, train_params: Params, layout: ReplicaLayout | None = None) -> None:
         super().__init__(name="learner")
         self.task = task
         self.tp = train_params
+        self.layout = layout or ReplicaLayout()
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         self.optimizer = train_params.optimizer.instantiate()
         self.schedule = train_params.lr_schedule.instantiate()
@@ -62,8 +68,8 @@ class Learner(tf.Module):
         step = self.global_step.read_value()
         for layer in self._stepped_layers:
             layer.set_training_step(step)
-        ctx = FPropContext(training=True, seed=tf.stack([tf.constant(self.tp.seed, tf.int64), step]), aux={})
-        loss, metrics, grads = self.task.loss_and_gradients(batch, ctx)
+        seed = tf.stack([tf.constant(self.tp.seed, tf.int64), step])
+        loss, metrics, grads, aux = self._loss_and_gradients(batch, seed)
         # A NaN/Inf loss or gradient must not reach the variables: the update is skipped and the step reports
         # which gradient went bad first (-1: only the loss), so the controller can stop or go on.
         finite = [tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
@@ -77,7 +83,7 @@ class Learner(tf.Module):
         def update() -> tf.Tensor:
             # Once per step, from the whole mini-batch: batch norm moving averages (never inside fprop).
             for layer in self._stat_layers:
-                layer.apply_aux_stats(ctx.aux)
+                layer.apply_aux_stats(aux)
             self.optimizer.apply_gradients(zip(grads, self.variables_to_train), lr)
             return tf.constant(True)
 
@@ -88,6 +94,45 @@ class Learner(tf.Module):
                    var_norm=tf.cast(tf.linalg.global_norm(self.variables_to_train), tf.float32),
                    nonfinite=tf.logical_not(all_finite), first_bad_gradient=first_bad)
         return out
+
+    def _loss_and_gradients(self, batch: Mapping[str, tf.Tensor], seed: tf.Tensor
+                            ) -> tuple[tf.Tensor, Metrics, list[tf.Tensor | None], dict]:
+        """Loss, metrics, gradients and batch-norm statistics of the global batch, over all replicas."""
+        layout = self.layout
+        if layout.num_replicas == 1:
+            ctx = FPropContext(training=True, seed=seed, aux={})
+            loss, metrics, grads = self.task.loss_and_gradients(batch, ctx)
+            return loss, metrics, grads, ctx.aux
+        size = microbatch.batch_size(batch)
+        if size % layout.num_replicas:
+            raise ParamsError(f"global batch size {size} is not divisible by the {layout.num_replicas} data-parallel "
+                              f"replicas; use a batch size that is a multiple of {layout.num_replicas} (times "
+                              "num_micro_batches)")
+        slices = microbatch.split_list(batch, layout.num_replicas)
+        runs = []
+        for r in range(layout.local_replicas):
+            g = layout.first_replica + r
+            # Each replica draws its own dropout masks: the step's seed folded with the global replica index.
+            ctx = FPropContext(training=True, seed=tf.random.experimental.stateless_fold_in(seed, g), aux={})
+            with tf.device(layout.home_devices[r]), placement.on_replica(r):
+                loss, metrics, grads = self.task.loss_and_gradients(slices[g], ctx)
+            runs.append((loss, metrics, grads, ctx.aux))
+        loss0, metrics0, grads0, aux0 = runs[0]
+        names = sorted(metrics0)
+        present = [i for i, g in enumerate(grads0) if g is not None]
+        # Replicas see equal slices: the global loss, metrics and gradients are their means; batch-norm
+        # statistics are sums (sum, sum of squares, count) and add up.
+        means = layout.all_reduce(tf.distribute.ReduceOp.MEAN, [
+            [loss] + [metrics[n][0] for n in names] + [grads[i] for i in present] for loss, metrics, grads, _ in runs])
+        sums = layout.all_reduce(tf.distribute.ReduceOp.SUM, [
+            [metrics[n][1] for n in names] + tf.nest.flatten(aux) for _, metrics, _, aux in runs])
+        loss = means[0]
+        metrics = {n: (means[1 + j], sums[j]) for j, n in enumerate(names)}
+        reduced = list(grads0)
+        for j, i in enumerate(present):
+            reduced[i] = means[1 + len(names) + j]
+        aux = tf.nest.pack_sequence_as(aux0, sums[len(names):])
+        return loss, metrics, reduced, aux
 
     def gradient_names(self) -> list[str]:
         """Names of the trained variables, in the order `first_bad_gradient` indexes."""

@@ -169,3 +169,32 @@ def test_trainer_rejects_batch_not_divisible_by_replicas(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
     assert "input.train.batch_size=64 is not divisible by the 3 data-parallel replicas" in err
+
+
+def test_tpu_device_assignment_uses_the_replica_stage_mapping():
+    import tensorflow as tf
+
+    # A 2x2 mesh of 4 cores in one task, as initialize_tpu_system would describe it.
+    coordinates = np.array([[[0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]]], dtype=np.int32)
+    topology = tf.tpu.experimental.Topology(mesh_shape=[2, 2, 1, 1], device_coordinates=coordinates)
+    assignment = replicas.tpu_device_assignment(topology, num_replicas=2, num_stages=2)
+    assert assignment.num_replicas == 2 and assignment.num_cores_per_replica == 2
+    for r in range(2):
+        for k in range(2):
+            expected = coordinates[0, placement.replica_stage_index(r, k, 2)]
+            np.testing.assert_array_equal(assignment.coordinates(r, k), expected)
+    with pytest.raises(ConfigError, match="need 6 TPU cores; the topology has 4"):
+        replicas.tpu_device_assignment(topology, num_replicas=3, num_stages=2)
+
+
+def test_stages_on_local_worker_processes_match_logical_devices(tmp_path):
+    """--local_stage_workers=2: stage k runs in TF server process k (gRPC transfers), same result."""
+    finish(trainer(f"--logdir={tmp_path / 'local'}", "--max_steps=3"))
+    out = finish(trainer(f"--logdir={tmp_path / 'servers'}", "--local_stage_workers=2", "--max_steps=3"))
+    assert "pipeline stages on 2 TF servers" in out
+    table = (tmp_path / "servers" / "partition.txt").read_text()
+    assert "/job:worker/replica:0/task:1/device:CPU:0" in table
+    ref, got = checkpoint_values(tmp_path / "local"), checkpoint_values(tmp_path / "servers")
+    assert ref.keys() == got.keys()
+    for name in ref:
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-7, err_msg=name)

@@ -66,6 +66,11 @@ def stage_devices(num_stages: int, kind: str = "auto", worker_job: str = "worker
     return [devices[k % len(devices)] for k in range(num_stages)]
 
 
+def replica_stage_index(replica: int, stage: int, num_stages: int) -> int:
+    """The device index of replica `replica`'s stage `stage`: the one mapping every device kind uses."""
+    return replica * num_stages + stage
+
+
 def replica_stage_devices(num_replicas: int, num_stages: int, kind: str = "auto",
                           worker_job: str = "worker") -> list[list[str]]:
     """Devices of D replicas of a K-stage pipeline: replica r, stage k on device r * K + k of `kind`.
@@ -87,7 +92,7 @@ def replica_stage_devices(num_replicas: int, num_stages: int, kind: str = "auto"
         if available < num_replicas * num_stages:
             raise ParamsError(f"{num_replicas} replicas x {num_stages} stages need {num_replicas * num_stages} "
                               f"{resolved} devices, {available} are visible; lower train.num_replicas or num_stages")
-    return [flat[r * num_stages:(r + 1) * num_stages] for r in range(num_replicas)]
+    return [[flat[replica_stage_index(r, k, num_stages)] for k in range(num_stages)] for r in range(num_replicas)]
 
 
 _REPLICAS = {"count": 1, "current": 0}

@@ -95,3 +95,28 @@ def test_training_mode_gradients_equal_micro_batches_fed_one_by_one():
     np.testing.assert_allclose(lp.numpy(), ls.numpy(), rtol=1e-10)
     for a, b in zip(gp, gs):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def test_two_replicas_of_two_micro_batches_equal_one_pipeline_of_four():
+    """D=2 replicas x M=2 see the same micro-batches as D=1 x M=4: same loss, weights and moving averages
+    (the replicas' batch statistics are summed across replicas before the once-per-step update)."""
+    from gpipe_tf.training.controller import home_devices
+    from gpipe_tf.training.replicas import ReplicaLayout
+
+    x = tf.constant(RNG.normal(size=(B, D)))
+    labels = tf.constant(RNG.integers(0, 3, size=B), tf.int32)
+    results = []
+    for num_replicas, m in ((1, 4), (2, 2)):
+        network = GPipe.params().set(layers=layers(), num_stages=2, num_micro_batches=m, num_replicas=num_replicas)
+        with placement.replicas(num_replicas):
+            task = make_task(network)
+        layout = ReplicaLayout(local_replicas=num_replicas)
+        layout.attach_devices(home_devices(task, num_replicas))
+        learner = Learner(task, training_params().set(learning_rate=0.1), layout)
+        loss = learner.train_step({"inputs": x, "labels": labels})["loss"].numpy()
+        results.append((loss, [v.numpy() for v in task.variables]))
+    (loss1, vars1), (loss2, vars2) = results
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-10)
+    assert len(vars1) == len(vars2)
+    for a, b in zip(vars2, vars1):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)

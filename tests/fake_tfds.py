@@ -83,13 +83,17 @@ def offline_downloads(path: str) -> Iterator[None]:
         yield
 
 
+def prepare_offline(builder: tfds.core.DatasetBuilder, source_dir: str) -> None:
+    """Runs the real `builder`'s preparation on the files already written in `source_dir`."""
+    with offline_downloads(source_dir):
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+
+
 def prepare_cifar(dataset: str, data_dir: str, source_dir: str, train_per_file: int = 8,
                   test_count: int = 12, seed: int = 0) -> dict:
     """Writes fake CIFAR files into `source_dir` and runs the real builder into `data_dir`."""
     written = write_cifar(source_dir, dataset, train_per_file, test_count, seed)
-    builder = tfds.builder(dataset, data_dir=data_dir)
-    with offline_downloads(source_dir):
-        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    prepare_offline(tfds.builder(dataset, data_dir=data_dir), source_dir)
     return written
 
 

@@ -20,6 +20,9 @@ from typing import Iterable, Sequence
 
 from num2words import CONVERTER_CLASSES, num2words
 
+from gpipe_tf.inputs import language_pairs
+from gpipe_tf.inputs.language_pairs import DIRECTIONS, language_tag, tagged_source
+
 __all__ = ["LANGUAGES", "DIRECTIONS", "SPLITS", "spell", "normalize", "language_tag", "tagged_source",
            "split_numbers", "make_pairs"]
 
@@ -32,7 +35,6 @@ __all__ = ["LANGUAGES", "DIRECTIONS", "SPLITS", "spell", "normalize", "language_
 # the same text as pt and es) and non-Latin scripts (ru), which would mostly grow the vocabulary.
 LANGUAGES: tuple[str, ...] = ("en", "fr", "de", "es", "it", "pt", "nl", "pl", "sv", "fi")
 
-DIRECTIONS: tuple[str, ...] = ("many_to_many", "to_from_english")
 SPLITS: tuple[str, ...] = ("train", "dev", "test")
 
 # num2words is pure Python and takes up to ~0.15 ms per call (fr, de, nl, sv); a corpus spells each
@@ -60,16 +62,6 @@ def spell(number: int, lang: str) -> str:
         raise ValueError(f"number must be a non-negative int, got {number!r}")
     _check_language(lang)
     return normalize(num2words(int(number), lang=lang))
-
-
-def language_tag(lang: str) -> str:
-    """The token asking for a translation into `lang`, e.g. '<2fr>'."""
-    return f"<2{lang}>"
-
-
-def tagged_source(target_lang: str, source_text: str) -> str:
-    """The model's source text: the target-language tag, a space, then the source, e.g. '<2fr> twenty-one'."""
-    return f"{language_tag(target_lang)} {source_text}"
 
 
 def _hash_int(*parts: object) -> int:
@@ -100,32 +92,21 @@ def split_numbers(max_number: int, seed: int,
     return splits
 
 
-def _directions(languages: Sequence[str], directions: str) -> list[tuple[str, str]]:
-    if directions == "many_to_many":
-        return [(s, t) for s in languages for t in languages if s != t]
-    if directions == "to_from_english":
-        if "en" not in languages:
-            raise ValueError(f"directions='to_from_english' needs 'en' among the languages, got {list(languages)}")
-        others = [lang for lang in languages if lang != "en"]
-        return [("en", t) for t in others] + [(s, "en") for s in others]
-    raise ValueError(f"directions={directions!r} is not supported; choose from {DIRECTIONS}")
-
-
 def make_pairs(numbers: Iterable[int], languages: Sequence[str], seed: int, pairs_per_number: int,
                directions: str = "many_to_many") -> list[tuple[str, str, str, str]]:
     """Translation examples (source_lang, target_lang, source_text, target_text), `pairs_per_number` per number.
 
     Each number gets that many distinct (source, target) language directions, source != target, drawn without
-    replacement from all directions allowed by `directions`: 'many_to_many' (every ordered pair of `languages`)
-    or 'to_from_english' (English on one side). Examples come number by number in the order of `numbers`; the
-    draws depend only on (seed, number, the order of `languages`).
+    replacement from all directions allowed by `directions` (one of language_pairs.DIRECTIONS, e.g.
+    'many_to_many': every ordered pair of `languages`, or 'to_from_english': English on one side). Examples come
+    number by number in the order of `numbers`; the draws depend only on (seed, number, the order of `languages`).
     """
     languages = list(languages)
     if len(set(languages)) != len(languages) or len(languages) < 2:
         raise ValueError(f"languages must be at least 2 distinct codes, got {languages}")
     for lang in languages:
         _check_language(lang)
-    allowed = _directions(languages, directions)
+    allowed = language_pairs.directions(languages, directions)
     if isinstance(pairs_per_number, bool) or not isinstance(pairs_per_number, int) or not (
             1 <= pairs_per_number <= len(allowed)):
         raise ValueError(f"pairs_per_number must be an int in [1, {len(allowed)}] (the number of {directions} "

@@ -20,6 +20,7 @@ import tensorflow_datasets as tfds
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.inputs.base_input import BaseInput
+from gpipe_tf.inputs.tfds_prepare import DatasetNotPreparedError, ensure_prepared, prepare_hint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +43,6 @@ _CIFAR_PAD = 4
 _IMAGENET_MANUAL_FILES = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
 
 
-class DatasetNotPreparedError(ConfigError):
-    """The TFDS dataset is not in data_dir and may not (or cannot) be downloaded here."""
-
-
 def _spec(dataset: str) -> _DatasetSpec:
     if dataset not in _DATASETS:
         raise ParamsError(f"dataset={dataset!r} is not supported; choose from {sorted(_DATASETS)}")
@@ -63,13 +60,12 @@ def default_image_size(dataset: str) -> int:
 
 
 def _prepare_hint(dataset: str, data_dir: str | None) -> str:
-    target = f" --data_dir={data_dir}" if data_dir else ""
     if dataset == "imagenet2012":
+        target = f" --data_dir={data_dir}" if data_dir else ""
         return ("ImageNet cannot be downloaded automatically: put " + " and ".join(_IMAGENET_MANUAL_FILES)
                 + " in a folder DIR and set manual_dir=DIR (it is then prepared here, offline; this takes hours "
                 f"for the full set), or run `tfds build imagenet2012 --manual_dir=DIR{target}`.")
-    return (f"Run `tfds build {dataset}{target}` on a machine with internet and copy the resulting "
-            f"'{dataset}' folder into data_dir here, or set download=True where the network is reachable.")
+    return prepare_hint(dataset, data_dir)
 
 
 class TfdsImageInput(BaseInput):
@@ -129,20 +125,14 @@ class TfdsImageInput(BaseInput):
         p = self.p
         if self._builder.is_prepared():
             return
-        from_manual_dir = p.dataset == "imagenet2012" and p.manual_dir is not None
-        if from_manual_dir:
+        if p.dataset == "imagenet2012" and p.manual_dir is not None:
             missing = [f for f in _IMAGENET_MANUAL_FILES if not tf.io.gfile.exists(os.path.join(p.manual_dir, f))]
             if len(missing) == len(_IMAGENET_MANUAL_FILES):
                 raise DatasetNotPreparedError(
                     f"imagenet2012 is not prepared in data_dir={p.data_dir!r} (looked in {self._builder.data_dir}) "
                     f"and manual_dir={p.manual_dir!r} holds none of {list(_IMAGENET_MANUAL_FILES)}. "
                     + _prepare_hint(p.dataset, p.data_dir))
-        elif not p.download:
-            raise DatasetNotPreparedError(
-                f"TFDS dataset {p.dataset!r} is not prepared in data_dir={p.data_dir!r} (looked in "
-                f"{self._builder.data_dir}) and download=False. " + _prepare_hint(p.dataset, p.data_dir))
-        config = tfds.download.DownloadConfig(manual_dir=p.manual_dir, try_download_gcs=p.download)
-        self._builder.download_and_prepare(download_config=config)
+        ensure_prepared(self._builder, p.data_dir, p.download, _prepare_hint(p.dataset, p.data_dir), p.manual_dir)
 
     def _normalize(self, image: tf.Tensor) -> tf.Tensor:
         mean = tf.constant(self._spec.mean, tf.float32)

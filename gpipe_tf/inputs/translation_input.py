@@ -17,9 +17,7 @@ the exact example.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
-import os
 
 import numpy as np
 import tensorflow as tf
@@ -28,26 +26,20 @@ from absl import logging
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.inputs import numbers_corpus
-from gpipe_tf.inputs.base_input import BaseInput
-from gpipe_tf.inputs.vocabulary import Vocabulary
+from gpipe_tf.inputs.translation_base import TranslationInput
 
 # Part of the cached vocabulary's file name: bump it when the corpus text or the vocabulary training changes,
 # so that an old model in vocab_dir is not reused for different text.
 _VOCAB_FORMAT = 1
 
 
-class NumbersTranslationInput(BaseInput):
+class NumbersTranslationInput(TranslationInput):
     """Batches of number translations with a static batch dimension (the last partial batch is dropped).
 
-    Every batch is a dict of
-      'src_ids'       int32 [B, S]  the tagged source's ids ('<2fr> twenty-one'), no bos or eos;
-      'src_paddings'  float32 [B, S]  1.0 where padded (there src_ids is pad_id 0);
-      'tgt_in_ids'    int32 [B, T]  bos, then the target's ids (decoder input);
-      'tgt_out_ids'   int32 [B, T]  the target's ids, then eos (labels: tgt_in_ids shifted left by one);
-      'tgt_paddings'  float32 [B, T]  1.0 where padded (there both target ids are 0);
-      'tgt_lang'      string [B]  target language code, for per-language metrics;
-    with S = T = max_length. num_batches=None repeats forever, reshuffled every epoch; an int gives that many
-    batches (fewer if the split is smaller) in the corpus's order, matching `references()`.
+    Batches are TranslationInput's, with S = T = max_length. The vocabulary learns from a deterministic
+    subsample of the train split's sentences (~0.4 s per 100,000). num_batches=None repeats forever, reshuffled
+    every epoch; an int gives that many batches (fewer if the split is smaller) in the corpus's order, matching
+    `references()`.
     """
 
     @classmethod
@@ -62,13 +54,6 @@ class NumbersTranslationInput(BaseInput):
                  "train/dev/test (unlike seed, which only orders the training batches), or splits overlap.")
         p.define("pairs_per_number", 4, "Examples per number, each in a different (source, target) direction.")
         p.define("directions", "many_to_many", f"Language directions: one of {numbers_corpus.DIRECTIONS}.")
-        p.define("vocab_model", None, "Path of a SentencePiece .model to use; None trains one into vocab_dir "
-                 "from the train split's text (or reuses the one an identical setting trained there).")
-        p.define("vocab_dir", None, "Where to train the vocabulary when vocab_model is None, e.g. the logdir "
-                 "(unused when vocab_model is set).")
-        p.define("vocab_size", 1000, "Ids in a trained vocabulary (special ids and language tags included).")
-        p.define("vocab_max_sentences", 200_000, "At most this many train sentences train the vocabulary "
-                 "(a deterministic subsample; None = all); bounds its training time (~0.4 s per 100,000).")
         p.define("max_length", 16, "Fixed length S = T of source and target (target + bos/eos). Longer "
                  "examples are dropped from the train split; in dev/test they are an error.")
         return p
@@ -82,9 +67,6 @@ class NumbersTranslationInput(BaseInput):
             raise ParamsError(f"directions={p.directions!r} must be one of {numbers_corpus.DIRECTIONS}")
         if p.max_length < 2:
             raise ParamsError(f"max_length={p.max_length} must be >= 2 (a target needs bos or eos and a token)")
-        if p.vocab_model is None and p.vocab_dir is None:
-            raise ParamsError("set vocab_model (a trained SentencePiece .model) or vocab_dir (where to train one, "
-                              "e.g. the logdir); both are None")
         try:
             splits = numbers_corpus.split_numbers(p.max_number, p.corpus_seed, tuple(p.split_fractions))
             numbers = splits[p.split]
@@ -92,34 +74,13 @@ class NumbersTranslationInput(BaseInput):
                                               p.directions)
         except ValueError as e:
             raise ParamsError(str(e)) from None
-        self.vocab = Vocabulary.load(p.vocab_model) if p.vocab_model else self._train_vocab(splits["train"])
-        for lang in p.languages:
-            try:
-                self.vocab.symbol_id(numbers_corpus.language_tag(lang))
-            except KeyError as e:
-                raise ConfigError(f"vocab_model={self.vocab.model_path!r} cannot be used here: {e.args[0]}") from None
-        self._encode(pairs, [n for n in numbers for _ in range(p.pairs_per_number)])
-
-    def _train_vocab(self, train_numbers: list[int]) -> Vocabulary:
-        p = self.p
-        key = repr((_VOCAB_FORMAT, importlib.metadata.version("num2words"), list(p.languages), p.max_number,
-                    p.corpus_seed, tuple(p.split_fractions), p.vocab_size, p.vocab_max_sentences))
-        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
-        prefix = os.path.join(p.vocab_dir, f"numbers_bpe{p.vocab_size}_{digest}")
-        if os.path.isfile(prefix + ".model"):
-            # Training is deterministic, so the model that this same setting trained earlier is the one we'd get.
-            return Vocabulary.load(prefix + ".model")
+        setting = (_VOCAB_FORMAT, importlib.metadata.version("num2words"), list(p.languages), p.max_number,
+                   p.corpus_seed, tuple(p.split_fractions))
         # Language by language, so that a subsample keeps every language (not only every 10th sentence).
-        texts = [numbers_corpus.spell(n, lang) for lang in p.languages for n in train_numbers]
-        tags = [numbers_corpus.language_tag(lang) for lang in p.languages]
-        try:
-            vocab = Vocabulary.train(texts, p.vocab_size, prefix, tags, max_sentences=p.vocab_max_sentences)
-        except ValueError as e:
-            raise ConfigError(f"cannot train the vocabulary (vocab_size={p.vocab_size}, max_number="
-                              f"{p.max_number}): {e}") from None
-        logging.info("Trained a %d-id vocabulary on %d sentences: %s", vocab.size,
-                     min(len(texts), p.vocab_max_sentences or len(texts)), vocab.model_path)
-        return vocab
+        self.vocab = self._load_vocabulary(
+            "numbers", setting, lambda: [numbers_corpus.spell(n, lang) for lang in p.languages
+                                         for n in splits["train"]], p.languages)
+        self._encode(pairs, [n for n in numbers for _ in range(p.pairs_per_number)])
 
     def _encode(self, pairs: list[tuple[str, str, str, str]], numbers: list[int]) -> None:
         p = self.p

@@ -10,7 +10,8 @@ available.
 Training is deterministic: one thread (the unigram trainer's multi-threaded sums depend on the thread count),
 no sentence shuffling, a hash-based subsample when there is more text than `max_sentences`, and the model bytes
 hold no file names (the model is serialized in memory and written by this module), so the same texts always
-give a byte-identical `.model` file.
+give a byte-identical `.model` file. `load_or_train` relies on that to cache a vocabulary under a name derived
+from everything that shaped its text, so train, dev and test inputs (and later runs) share one trained model.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import io
 import os
 import re
 import tempfile
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import sentencepiece as spm
+from absl import logging
 from sentencepiece import sentencepiece_model_pb2
 
-__all__ = ["Vocabulary", "PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID"]
+from gpipe_tf.errors import ConfigError
+
+__all__ = ["Vocabulary", "load_or_train", "PAD_ID", "EOS_ID", "BOS_ID", "UNK_ID"]
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 
@@ -205,3 +209,37 @@ class Vocabulary:
             raise KeyError(f"{symbol!r} is not a user symbol of vocabulary {self._model_path or '(in memory)'}; "
                            f"it has {self.user_symbols}")
         return self._symbols[symbol]
+
+
+def load_or_train(model_path: str | None, vocab_dir: str | None, name: str, setting: object,
+                  texts: Callable[[], list[str]], vocab_size: int, user_symbols: Sequence[str],
+                  max_sentences: int | None) -> Vocabulary:
+    """The vocabulary of a translation input, with every one of `user_symbols` (language tags) a single token.
+
+    With `model_path` set, loads that model. Otherwise reuses `<vocab_dir>/<name>_bpe<vocab_size>_<digest>.model`
+    if an earlier input trained it (training is deterministic, so it is the model we would get), or trains it
+    from `texts()` (called only then) and saves it there. The digest hashes `repr(setting)`: put into `setting`
+    everything that changes the training text (corpus version, languages, sample size), so different text never
+    reuses a model. Errors are ConfigErrors that say which setting to change.
+    """
+    if model_path:
+        vocab = Vocabulary.load(model_path)
+    else:
+        digest = hashlib.sha256(repr((setting, list(user_symbols), max_sentences)).encode("utf-8")).hexdigest()
+        prefix = os.path.join(vocab_dir, f"{name}_bpe{vocab_size}_{digest[:12]}")
+        if os.path.isfile(prefix + ".model"):
+            return Vocabulary.load(prefix + ".model")
+        sentences = texts()
+        try:
+            vocab = Vocabulary.train(sentences, vocab_size, prefix, user_symbols, max_sentences=max_sentences)
+        except ValueError as e:
+            raise ConfigError(f"cannot train the vocabulary (vocab_size={vocab_size}, {len(sentences)} training "
+                              f"sentences): {e}") from None
+        logging.info("Trained a %d-id vocabulary on %d sentences: %s", vocab.size,
+                     min(len(sentences), max_sentences or len(sentences)), vocab.model_path)
+    for symbol in user_symbols:
+        try:
+            vocab.symbol_id(symbol)
+        except KeyError as e:
+            raise ConfigError(f"vocab_model={vocab.model_path!r} cannot be used here: {e.args[0]}") from None
+    return vocab

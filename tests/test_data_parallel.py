@@ -165,7 +165,7 @@ def test_two_worker_processes_equal_one_process_with_two_replicas(tmp_path):
 
 
 def test_trainer_rejects_batch_not_divisible_by_replicas(tmp_path):
-    proc = trainer(f"--logdir={tmp_path}", "--logical_devices=4", "--num_replicas=3", "--max_steps=1")
+    proc = trainer(f"--logdir={tmp_path}", "--logical_devices=6", "--num_replicas=3", "--max_steps=1")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
     assert "input.train.batch_size=64 is not divisible by the 3 data-parallel replicas" in err

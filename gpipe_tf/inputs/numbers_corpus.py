@@ -23,8 +23,8 @@ from num2words import CONVERTER_CLASSES, num2words
 from gpipe_tf.inputs import language_pairs
 from gpipe_tf.inputs.language_pairs import DIRECTIONS, language_tag, tagged_source
 
-__all__ = ["LANGUAGES", "DIRECTIONS", "SPLITS", "spell", "normalize", "language_tag", "tagged_source",
-           "split_numbers", "make_pairs"]
+__all__ = ["LANGUAGES", "DIRECTIONS", "SPLITS", "spell", "normalize", "check_language", "language_tag",
+           "tagged_source", "split_numbers", "make_pairs"]
 
 # Ten languages from four families whose num2words output is complete and mutually distinct (checked on every
 # 7th number below 100,000: no two languages agree except on a few words such as "zero"): Germanic (en, de, nl,
@@ -49,7 +49,8 @@ def normalize(text: str) -> str:
     return " ".join(unicodedata.normalize("NFC", text).lower().split())
 
 
-def _check_language(lang: str) -> None:
+def check_language(lang: str) -> None:
+    """Raises ValueError if num2words cannot spell numbers in `lang`."""
     if lang not in CONVERTER_CLASSES:
         raise ValueError(f"language {lang!r} is not supported by num2words; choose from {sorted(CONVERTER_CLASSES)}"
                          f" (this corpus uses {list(LANGUAGES)} by default)")
@@ -60,7 +61,7 @@ def spell(number: int, lang: str) -> str:
     """`number` in words in language `lang` (a num2words code such as 'fr'), normalized; cached."""
     if isinstance(number, bool) or not isinstance(number, Integral) or number < 0:
         raise ValueError(f"number must be a non-negative int, got {number!r}")
-    _check_language(lang)
+    check_language(lang)
     return normalize(num2words(int(number), lang=lang))
 
 
@@ -105,7 +106,7 @@ def make_pairs(numbers: Iterable[int], languages: Sequence[str], seed: int, pair
     if len(set(languages)) != len(languages) or len(languages) < 2:
         raise ValueError(f"languages must be at least 2 distinct codes, got {languages}")
     for lang in languages:
-        _check_language(lang)
+        check_language(lang)
     allowed = language_pairs.directions(languages, directions)
     if isinstance(pairs_per_number, bool) or not isinstance(pairs_per_number, int) or not (
             1 <= pairs_per_number <= len(allowed)):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import tensorflow_datasets as tfds
 
 from gpipe_tf.errors import ConfigError
+from gpipe_tf.hyperparams import ParamsError
 
-__all__ = ["DatasetNotPreparedError", "prepare_hint", "ensure_prepared"]
+__all__ = ["DatasetNotPreparedError", "prepare_hint", "ensure_prepared", "tfds_builder", "num_split_examples"]
 
 
 class DatasetNotPreparedError(ConfigError):
@@ -41,3 +42,19 @@ def ensure_prepared(builder: tfds.core.DatasetBuilder, data_dir: str | None, dow
             f"(looked in {builder.data_dir}) and download=False. {hint}")
     config = tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=download)
     builder.download_and_prepare(download_config=config)
+
+
+def tfds_builder(dataset: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
+    """The TFDS builder of `dataset` ('name' or 'name/config'), prepared or not; ParamsError if TFDS has none."""
+    try:
+        return tfds.builder(dataset, data_dir=data_dir)
+    except ValueError as e:  # DatasetNotFoundError, or a bad config name
+        raise ParamsError(f"dataset={dataset!r} is not a TFDS dataset here: {str(e).splitlines()[0]}") from None
+
+
+def num_split_examples(builder: tfds.core.DatasetBuilder, dataset: str, split: str) -> int:
+    """Examples in `split` (a name or a slice such as 'test[:50%]') of a prepared builder; ConfigError if bad."""
+    try:
+        return builder.info.splits[split].num_examples
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{dataset}: bad split {split!r}: {e}") from e

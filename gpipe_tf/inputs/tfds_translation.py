@@ -29,7 +29,6 @@ raises `DatasetNotPreparedError` at construction, saying how to prepare it.
 from __future__ import annotations
 
 import hashlib
-import unicodedata
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,9 @@ import tensorflow_datasets as tfds
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.inputs import language_pairs
-from gpipe_tf.inputs.tfds_prepare import ensure_prepared, prepare_hint
+from gpipe_tf.inputs.text_base import (ENCODE_BATCH, bucket_batches, check_bucket_lengths, default_bucket_lengths,
+                                       define_streaming_params, encode_padded, finish, normalize)
+from gpipe_tf.inputs.tfds_prepare import ensure_prepared, num_split_examples, prepare_hint, tfds_builder
 from gpipe_tf.inputs.translation_base import TranslationInput
 
 __all__ = ["TfdsTranslationInput", "TED_MULTI", "dataset_builder", "default_bucket_lengths", "normalize"]
@@ -49,25 +50,6 @@ _CUSTOM_WMT = "wmt_translate"
 
 # Part of the cached vocabulary's name: bump it when the training text changes for the same setting.
 _VOCAB_FORMAT = 1
-# Sentences per SentencePiece call: one call per sentence would cost more in Python than the encoding itself.
-_ENCODE_BATCH = 256
-# The shortest bucket of the default bucket_lengths; each next one doubles up to max_length.
-_SHORTEST_BUCKET = 8
-
-
-def normalize(text: str) -> str:
-    """Unicode NFC (an accent is one code point) and single spaces, no outer spaces; case is kept."""
-    return " ".join(unicodedata.normalize("NFC", text).split())
-
-
-def default_bucket_lengths(max_length: int) -> tuple[int, ...]:
-    """8, 16, 32, ... below max_length, then max_length: about log2(max_length) shapes, padding <= 2x."""
-    lengths = []
-    length = _SHORTEST_BUCKET
-    while length < max_length:
-        lengths.append(length)
-        length *= 2
-    return (*lengths, max_length)
 
 
 def _custom_wmt_builder(dataset: str, subsets: dict[str, list[str]],
@@ -100,10 +82,7 @@ def dataset_builder(params: InstantiableParams) -> tfds.core.DatasetBuilder:
     p = params
     if p.wmt_subsets is not None:
         return _custom_wmt_builder(p.dataset, dict(p.wmt_subsets), p.data_dir)
-    try:
-        return tfds.builder(p.dataset, data_dir=p.data_dir)
-    except ValueError as e:  # DatasetNotFoundError, or a bad config name
-        raise ParamsError(f"dataset={p.dataset!r} is not a TFDS dataset here: {str(e).splitlines()[0]}") from None
+    return tfds_builder(p.dataset, p.data_dir)
 
 
 class TfdsTranslationInput(TranslationInput):
@@ -133,12 +112,7 @@ class TfdsTranslationInput(TranslationInput):
                  f"{language_pairs.DIRECTIONS}.")
         p.define("pairs_per_example", None, "Directions per multilingual example (per TED sentence), sampled "
                  "without replacement, anew each epoch when training; None = every allowed direction it holds.")
-        p.define("max_length", 128, "Longest padded length L of source and target (target + bos/eos); longer "
-                 "examples are dropped.")
-        p.define("bucket_lengths", None, "Ascending padded lengths, the last = max_length; None = 8, 16, 32, ... "
-                 "then max_length. (max_length,) gives one shape.")
-        p.define("shuffle_buffer", 10_000, "Sentence pairs (text) in the training shuffle buffer; <= 1 disables "
-                 "it. Checkpointed iterators store the whole buffer.")
+        define_streaming_params(p, "L of source and target (target + bos/eos)", "sentence pairs")
         return p.set(vocab_size=32000, vocab_max_sentences=1_000_000)
 
     def __init__(self, params: InstantiableParams) -> None:
@@ -155,10 +129,7 @@ class TfdsTranslationInput(TranslationInput):
                     f"with these Params p (or set download=True there) and copy the '{_CUSTOM_WMT}' folder of "
                     "its data_dir here.")
         ensure_prepared(self._builder, p.data_dir, p.download, hint)
-        try:
-            self.num_source_examples = self._builder.info.splits[p.split].num_examples
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"{p.dataset}: bad split {p.split!r}: {e}") from e
+        self.num_source_examples = num_split_examples(self._builder, p.dataset, p.split)
         self.dataset_languages, self._variable_languages = self._feature_languages()
         self.languages = tuple(p.languages) if p.languages is not None else self.dataset_languages
         unknown = sorted(set(self.languages) - set(self.dataset_languages))
@@ -183,11 +154,7 @@ class TfdsTranslationInput(TranslationInput):
         p = self.p
         if p.max_length < 2:
             raise ParamsError(f"max_length={p.max_length} must be >= 2 (a target needs bos or eos and a token)")
-        lengths = tuple(p.bucket_lengths) if p.bucket_lengths is not None else default_bucket_lengths(p.max_length)
-        if (list(lengths) != sorted(set(lengths)) or lengths[0] < 2 or lengths[-1] != p.max_length):
-            raise ParamsError(f"bucket_lengths={lengths} must be distinct ascending lengths >= 2 ending with "
-                              f"max_length={p.max_length}")
-        return lengths
+        return check_bucket_lengths(p.max_length, p.bucket_lengths)
 
     def _feature_languages(self) -> tuple[tuple[str, ...], bool]:
         """The dataset's languages, and whether examples hold a variable set of them (TED) or all (WMT)."""
@@ -245,11 +212,7 @@ class TfdsTranslationInput(TranslationInput):
         out: list[np.ndarray] = [np.array([s.encode("utf-8") for s in sources], object),
                                  np.array([t.encode("utf-8") for t in targets], object)]
         for texts in (sources, targets):
-            ids = self.vocab.encode_batch(texts)
-            padded = np.zeros([len(ids), width], np.int32)
-            for row, seq in enumerate(ids):
-                padded[row, :min(len(seq), width)] = seq[:width]
-            out += [padded, np.array([len(seq) for seq in ids], np.int32)]
+            out += encode_padded(self.vocab, texts, width)
         return tuple(out)
 
     def _encode(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
@@ -282,9 +245,7 @@ class TfdsTranslationInput(TranslationInput):
         }
 
     def _to_batch(self, batch: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-        # Static batch size: bucket_by_sequence_length cannot know that drop_remainder makes every batch full.
-        out = {name: tf.ensure_shape(value, [self.p.batch_size] + [None] * (value.shape.rank - 1))
-               for name, value in batch.items()}
+        out = dict(batch)
         # Real tokens never have the pad id, and every target row ends with eos, so padding is where ids are 0.
         out["src_paddings"] = tf.cast(tf.equal(out["src_ids"], self.vocab.pad_id), tf.float32)
         out["tgt_paddings"] = tf.cast(tf.equal(out["tgt_out_ids"], self.vocab.pad_id), tf.float32)
@@ -303,21 +264,16 @@ class TfdsTranslationInput(TranslationInput):
         if training and p.shuffle_buffer > 1:
             # Before encoding: the buffer holds text, and neighbouring pairs (one TED sentence) get mixed.
             ds = ds.shuffle(p.shuffle_buffer, seed=p.seed, reshuffle_each_iteration=True)
-        ds = ds.batch(_ENCODE_BATCH).map(self._encode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = ds.batch(ENCODE_BATCH).map(self._encode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         ds = ds.unbatch().filter(self._fits).map(self._to_example)
         if not keep_text:
             ds = ds.map(lambda ex: {k: v for k, v in ex.items() if not k.endswith("_text")})
-        # Boundaries are exclusive upper ends, and pad_to_bucket_boundary pads to boundary - 1: the bucket length.
-        boundaries = [length + 1 for length in self.bucket_lengths]
-        ds = ds.bucket_by_sequence_length(
-            lambda ex: tf.maximum(tf.shape(ex["src_ids"])[0], tf.shape(ex["tgt_in_ids"])[0]), boundaries,
-            [p.batch_size] * (len(boundaries) + 1), pad_to_bucket_boundary=True, drop_remainder=True)
+        ds = bucket_batches(ds, lambda ex: tf.maximum(tf.shape(ex["src_ids"])[0], tf.shape(ex["tgt_in_ids"])[0]),
+                            self.bucket_lengths, p.batch_size)
         ds = ds.map(self._to_batch)
         if not training:
             ds = ds.take(p.num_batches)
-        options = tf.data.Options()
-        options.deterministic = True
-        return ds.prefetch(tf.data.AUTOTUNE).with_options(options)
+        return finish(ds)
 
     def dataset(self) -> tf.data.Dataset:
         """The batches; see the class doc string."""

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.attention import FeedForward, MultiHeadAttention, padding_bias
+from gpipe_tf.layers.attention import FeedForward, MultiHeadAttention, causal_bias, padding_bias
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.normalization import LayerNorm
@@ -62,13 +62,16 @@ class TransformerEncoderLayer(BaseLayer):
     `fprop` takes either x [B, T, model_dim] (no mask) and returns the new x, or (x, paddings) with paddings
     [B, T] (1.0 = padding) and returns (new x, the same paddings), so that the mask travels with each micro-batch
     through a pipelined stack. Padded keys are masked out; outputs at padded positions are computed but not
-    meaningful.
+    meaningful. With `causal`, position t attends to positions <= t only: a language model's layer (no decoder
+    cross-attention), which needs no paddings when padding only follows the tokens.
     """
 
     @classmethod
     def params(cls) -> InstantiableParams:
-        """Default Params: model_dim, num_heads, hidden_dim, dropout rates, pre_norm, ln_epsilon."""
-        return define_block_params(super().params())
+        """Default Params: model_dim, num_heads, hidden_dim, dropout rates, pre_norm, ln_epsilon, causal."""
+        p = define_block_params(super().params())
+        p.define("causal", False, "Mask every key after the query's position (a language model's self-attention).")
+        return p
 
     @classmethod
     def _child_params(cls, p: InstantiableParams) -> dict[str, InstantiableParams]:
@@ -105,6 +108,9 @@ class TransformerEncoderLayer(BaseLayer):
         x, paddings = _split_inputs(inputs)
         # The bias is built in the layer's dtype so that its masking value is safe for that dtype.
         bias = None if paddings is None else padding_bias(tf.cast(paddings, self.dtype))
+        if self.p.causal:
+            causal = causal_bias(tf.shape(x)[1], self.dtype)
+            bias = causal if bias is None else bias + causal
         attention, ffn = self.children["self_atten"], self.children["ffn"]
         x = self._residual_block(
             theta, x, "atten", lambda h: attention.fprop(theta["self_atten"], (h, h, bias), ctx), ctx)

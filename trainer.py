@@ -15,12 +15,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import app, flags, logging
 
 # TensorFlow's C++ INFO lines (oneDNN, CPU features) bury the progress lines; warnings and errors still show.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+if TYPE_CHECKING:  # imported lazily at run time: --help and --list_models stay fast
+    from gpipe_tf.hyperparams import Params
+    from gpipe_tf.training.replicas import ReplicaLayout
 
 FLAGS = flags.FLAGS
 
@@ -117,7 +121,7 @@ def _main(argv: list[str]) -> None:
         decoder.decode(params.task.instantiate(), params, FLAGS.logdir, _print)
 
 
-def _replica_layout(params: Any) -> Any:
+def _replica_layout(params: Params) -> ReplicaLayout:
     """This process's data-parallel layout: --worker_hosts/TF_CONFIG workers and train.num_replicas here."""
     from gpipe_tf.training import replicas
 

@@ -35,7 +35,7 @@ def build(num_replicas: int, num_stages: int, micro_batches: int) -> tuple[Any, 
     from gpipe_tf.layers.base_layer import FPropContext
     from gpipe_tf.tasks.base_task import BaseTask, Metrics
     from gpipe_tf.training import learner, optimizers, replicas
-    from gpipe_tf.training.controller import home_devices
+    from gpipe_tf.training.replicas import replica_home_devices
 
     class SquaredOutput(BaseTask):
         """Workload (a): the pipeline's mean squared output as the loss."""
@@ -55,7 +55,7 @@ def build(num_replicas: int, num_stages: int, micro_batches: int) -> tuple[Any, 
     layout = replicas.ReplicaLayout(local_replicas=num_replicas)
     with placement.replicas(num_replicas):
         task = SquaredOutput.params().set(name="task").instantiate()
-    layout.attach_devices(home_devices(task, num_replicas))
+    layout.attach_devices(replica_home_devices(task, num_replicas))
     tp = learner.training_params().set(learning_rate=1e-6, optimizer=optimizers.SGD.params())
     w = TRANSFORMER
     batch = {"x": tf.random.stateless_normal([w["batch"], w["seq"], w["model_dim"]], [1, 2])}

@@ -97,24 +97,36 @@ def test_training_mode_gradients_equal_micro_batches_fed_one_by_one():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-9, atol=1e-12)
 
 
-def test_two_replicas_of_two_micro_batches_equal_one_pipeline_of_four():
+def test_two_replicas_of_two_micro_batches_equal_one_pipeline_of_four(monkeypatch):
     """D=2 replicas x M=2 see the same micro-batches as D=1 x M=4: same loss, weights and moving averages
     (the replicas' batch statistics are summed across replicas before the once-per-step update)."""
-    from gpipe_tf.training.controller import home_devices
+    from gpipe_tf.training.replicas import replica_home_devices
     from gpipe_tf.training.replicas import ReplicaLayout
 
     x = tf.constant(RNG.normal(size=(B, D)))
     labels = tf.constant(RNG.integers(0, 3, size=B), tf.int32)
-    results = []
+    results, counts = [], []
+    original = BatchNorm.apply_aux_stats
+    seen = tf.Variable(0.0, dtype=tf.float64)
+
+    def recording(self, aux):
+        seen.assign_add(tf.cast(aux[self.path][2], tf.float64))  # the example count the update divides by
+        return original(self, aux)
+
+    monkeypatch.setattr(BatchNorm, "apply_aux_stats", recording)
     for num_replicas, m in ((1, 4), (2, 2)):
-        network = GPipe.params().set(layers=layers(), num_stages=2, num_micro_batches=m, num_replicas=num_replicas)
+        network = GPipe.params().set(layers=layers(), num_stages=2, num_micro_batches=m)
         with placement.replicas(num_replicas):
             task = make_task(network)
         layout = ReplicaLayout(local_replicas=num_replicas)
-        layout.attach_devices(home_devices(task, num_replicas))
+        layout.attach_devices(replica_home_devices(task, num_replicas))
         learner = Learner(task, training_params().set(learning_rate=0.1), layout)
+        seen.assign(0.0)
         loss = learner.train_step({"inputs": x, "labels": labels})["loss"].numpy()
+        counts.append(float(seen.numpy()))
         results.append((loss, [v.numpy() for v in task.variables]))
+    # Summed over replicas, not averaged: every update sees the whole batch's B examples.
+    assert counts == [2 * B, 2 * B]  # two batch-norm layers, each updated from all B examples
     (loss1, vars1), (loss2, vars2) = results
     np.testing.assert_allclose(loss2, loss1, rtol=1e-10)
     assert len(vars1) == len(vars2)

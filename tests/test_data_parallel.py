@@ -1,18 +1,21 @@
 """Data parallelism: D replicas of a K-stage pipeline equal one un-pipelined model on the same global batch."""
 
 import os
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from gpipe_tf import experiment, workers
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe import placement
 from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.tasks.classifier import ClassifierTask
 from gpipe_tf.training import replicas
-from gpipe_tf.training.controller import home_devices
+from gpipe_tf.training.replicas import replica_home_devices
 from gpipe_tf.training.learner import Learner
 from tests.test_trainer_cli import checkpoint_values
 
@@ -28,7 +31,7 @@ def train(num_replicas, num_stages, num_micro_batches, steps=5, dropout=0.0):
     layout = replicas.ReplicaLayout(local_replicas=num_replicas)
     with placement.replicas(num_replicas):
         task = p.task.instantiate()
-    layout.attach_devices(home_devices(task, num_replicas))
+    layout.attach_devices(replica_home_devices(task, num_replicas))
     learner = Learner(task, p.train, layout)
     batches = iter(p.input.train.instantiate().dataset())
     losses = [float(learner.train_step(next(batches))["loss"]) for _ in range(steps)]
@@ -63,11 +66,67 @@ def test_two_replicas_of_two_stages_equal_one_unpipelined_model():
         assert relative(got, ref) < 1e-5
 
 
-def test_replicas_draw_their_own_dropout_masks():
-    _, one, _ = train(1, 2, 2, steps=1, dropout=0.5)
-    _, two, _ = train(2, 2, 2, steps=1, dropout=0.5)
-    # Same weights and batch at step 0: only the masks differ (replica 1's seed is folded with its index).
-    assert one[0] != two[0]
+def test_each_replica_folds_its_global_index_into_the_step_seed(monkeypatch):
+    params, _ = experiment.resolve_params(KEY)
+    p = params.copy()
+    layout = replicas.ReplicaLayout(local_replicas=2)
+    with placement.replicas(2):
+        task = p.task.instantiate()
+    layout.attach_devices(replica_home_devices(task, 2))
+    seeds = []
+    original = type(task).loss_and_gradients
+
+    def recording(self, batch, ctx):
+        seeds.append(ctx.seed)
+        return original(self, batch, ctx)
+
+    monkeypatch.setattr(type(task), "loss_and_gradients", recording)
+    learner = Learner(task, p.train, layout)
+
+    @tf.function
+    def traced_seeds(batch):
+        learner._train_step(batch)
+        return seeds[-2:]
+
+    got = [s.numpy() for s in traced_seeds(next(iter(p.input.train.instantiate().dataset())))]
+    step_seed = tf.constant([p.train.seed, 0], tf.int64)
+    for g in range(2):
+        np.testing.assert_array_equal(got[g], tf.random.experimental.stateless_fold_in(step_seed, g).numpy())
+    assert not np.array_equal(got[0], got[1])
+
+
+class WeightedClassifier(ClassifierTask):
+    """A classifier whose loss weighs each example by batch['weights'] (as MT weighs real target tokens)."""
+
+    def compute_loss(self, theta, batch, ctx):
+        features = self.network.fprop(theta["network"], batch["inputs"], ctx)
+        xent = self.softmax.xent(self.softmax.fprop(theta["softmax"], features, ctx), batch["labels"])
+        weight = tf.reduce_sum(batch["weights"])
+        loss = tf.math.divide_no_nan(tf.reduce_sum(xent * batch["weights"]), weight)
+        return loss, {"loss": (loss, weight)}
+
+
+def test_replicas_combine_by_their_slices_loss_weights():
+    """Slices with different numbers of real examples: D=2 still takes the step of one model on the batch."""
+    params, _ = experiment.resolve_params(KEY, gin_bindings=["BlobsMlpGPipe.dropout_rate = 0.0"])
+    batch = dict(next(iter(params.input.train.instantiate().dataset())))
+    # The first replica's slice is mostly padding: 24 of its 32 examples weigh 0.
+    batch["weights"] = tf.concat([tf.zeros([24]), tf.ones([40])], 0)
+    results = []
+    for d in (1, 2):
+        p = params.copy()
+        p.task.cls = WeightedClassifier
+        layout = replicas.ReplicaLayout(local_replicas=d)
+        with placement.replicas(d):
+            task = p.task.instantiate()
+        layout.attach_devices(replica_home_devices(task, d))
+        learner = Learner(task, p.train, layout)
+        losses = [float(learner.train_step(batch)["loss"]) for _ in range(3)]
+        results.append((losses, [v.numpy() for v in task.trainable_variables]))
+    (ref_losses, ref_vars), (losses, got_vars) = results
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, ref in zip(got_vars, ref_vars):
+        assert relative(got, ref) < 1e-5
 
 
 def test_batch_not_divisible_by_replicas_names_the_fix():
@@ -77,7 +136,7 @@ def test_batch_not_divisible_by_replicas_names_the_fix():
     layout = replicas.ReplicaLayout(local_replicas=3)
     with placement.replicas(3):
         task = p.task.instantiate()
-    layout.attach_devices(home_devices(task, 3))
+    layout.attach_devices(replica_home_devices(task, 3))
     learner = Learner(task, p.train, layout)
     batch = next(iter(p.input.train.instantiate().dataset()))
     # Raised while tracing (autograph re-wraps it); the trainer checks the input's batch size before that.
@@ -198,3 +257,38 @@ def test_stages_on_local_worker_processes_match_logical_devices(tmp_path):
     assert ref.keys() == got.keys()
     for name in ref:
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_a_signal_to_one_worker_stops_both_at_the_same_step_with_a_checkpoint(tmp_path):
+    hosts = ",".join(f"127.0.0.1:{port}" for port in workers.free_ports(2))
+    procs = [trainer(f"--logdir={tmp_path}", "--logical_devices=2", f"--worker_hosts={hosts}", f"--task_index={i}",
+                     "--max_steps=100000", "--params=train.log_interval_steps=1,train.save_interval_steps=100000")
+             for i in range(2)]
+    try:
+        for line in procs[1].stdout:
+            if line.startswith("step 20/"):
+                procs[1].send_signal(signal.SIGTERM)
+                break
+        chief, other = (finish(p, timeout=120) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    stopped = [line for line in chief.splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1 and "a signal to another worker" in stopped[0], chief[-2000:]
+    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    assert f"stopped by signal SIGTERM at step {step}; the chief saved a checkpoint" in other
+    assert os.path.exists(tmp_path / "checkpoints" / f"ckpt-{step}.index")
+
+
+def test_a_single_replica_checkpoint_resumes_with_two_replicas(tmp_path):
+    no_dropout = "--gin_param=BlobsMlpGPipe.dropout_rate=0.0"
+    finish(trainer(f"--logdir={tmp_path / 'ref'}", no_dropout, "--max_steps=5"))
+    finish(trainer(f"--logdir={tmp_path / 'dp'}", no_dropout, "--max_steps=3"))
+    out = finish(trainer(f"--logdir={tmp_path / 'dp'}", no_dropout, "--logical_devices=4", "--num_replicas=2",
+                         "--max_steps=5"))
+    assert "resumed from" in out and "data parallel: 2 replicas" in out
+    ref, got = checkpoint_values(tmp_path / "ref"), checkpoint_values(tmp_path / "dp")
+    for name in ref:
+        if np.issubdtype(ref[name].dtype, np.floating):
+            assert relative(got[name], ref[name]) < 1e-5, name

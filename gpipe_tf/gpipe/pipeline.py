@@ -58,9 +58,6 @@ class GPipe(BaseLayer):
         p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
         p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "
                  "overrides device_kind.")
-        p.define("num_replicas", None, "D: data-parallel replicas of this pipeline in this process, replica r's "
-                 "stage k on device r*K+k (placement.replica_stage_devices); None: the trainer's "
-                 "train.num_replicas.")
         p.define("schedule", "unrolled", f"How the fill-drain schedule is built: one of {tuple(SCHEDULERS)}. "
                  "'unrolled': every (stage, micro-batch) step is its own placed op group with an explicit backward "
                  "order; fastest across devices, graph grows with M. 'loop': a while loop over micro-batches; "
@@ -87,8 +84,9 @@ class GPipe(BaseLayer):
             remat.stage_uses_remat(p.remat, stage, k)  # validates the policy name
         if p.schedule not in SCHEDULERS:
             raise ParamsError(f"{self.path}.schedule={p.schedule!r} is not one of {tuple(SCHEDULERS)}")
-        num_replicas = placement.num_replicas() if p.num_replicas is None else p.num_replicas
-        self.replica_devices = self._replica_devices(num_replicas)
+        # D data-parallel replicas (train.num_replicas; the trainer builds the task inside placement.replicas(D)):
+        # replica r's stage k on device r*K+k, each with its own gradient sums.
+        self.replica_devices = self._replica_devices(placement.num_replicas())
         self.devices = self.replica_devices[0]
         self.balance, self.costs, cost_name = self._partition(layers)
         self.replica_scopes = []
@@ -136,7 +134,7 @@ class GPipe(BaseLayer):
     def _replica_devices(self, num_replicas: int) -> list[list[str]]:
         p, k = self.p, self.p.num_stages
         if num_replicas < 1:
-            raise ParamsError(f"{self.path}.num_replicas={num_replicas} must be >= 1")
+            raise ParamsError(f"train.num_replicas={num_replicas} must be >= 1")
         if p.devices is None:
             return placement.replica_stage_devices(num_replicas, k, p.device_kind)
         nested = [list(d) for d in p.devices] if p.devices and not isinstance(p.devices[0], str) else [

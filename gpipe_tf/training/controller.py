@@ -25,16 +25,16 @@ import tensorflow as tf
 
 from gpipe_tf.errors import ConfigError, TrainingError
 from gpipe_tf.gpipe import placement
-from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.layers.base_layer import BaseLayer
 from gpipe_tf.training import checkpoints, pipeline_report
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner
-from gpipe_tf.training.replicas import ReplicaLayout
+from gpipe_tf.training.replicas import ReplicaLayout, replica_home_devices
 from gpipe_tf.training.summaries import SummaryWriter
 
 DONE_FILE = "TRAINING_DONE"
+# Step outputs that are flags, not scalars to summarize.
+_STATUS_KEYS = ("nonfinite", "first_bad_gradient", "stop")
 
 
 class _NoSummaries:
@@ -48,14 +48,6 @@ class _NoSummaries:
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-def home_devices(task: BaseLayer, local_replicas: int) -> list[str]:
-    """Each local replica's first-stage device: that of the task's first pipeline, else device r."""
-    pipes = [m for m in task.submodules if isinstance(m, GPipe)]
-    if pipes:
-        return [devices[0] for devices in pipes[0].replica_devices]
-    return [devices[0] for devices in placement.replica_stage_devices(local_replicas, 1, "auto")]
 
 
 def _format_eta(seconds: float) -> str:
@@ -93,7 +85,7 @@ class Controller:
         self.layout = layout or ReplicaLayout()
         with placement.replicas(self.layout.local_replicas):
             self.task = params.task.instantiate()
-        self.layout.attach_devices(home_devices(self.task, self.layout.local_replicas))
+        self.layout.attach_devices(replica_home_devices(self.task, self.layout.local_replicas))
         self.learner: Learner | None = None
         self._stop_signal: int | None = None
         self._evaluators: dict[str, Evaluator] = {}
@@ -144,6 +136,8 @@ class Controller:
         self.layout.broadcast_from_chief([*self.task.variables, *self.learner.optimizer.variables,
                                           self.learner.global_step])
         step = int(self.learner.global_step.numpy())
+        self.layout.check_agreement({"train.max_steps": tp.max_steps, "train.num_replicas": tp.num_replicas,
+                                     "input.train.batch_size": self.params.input.train.batch_size})
         if self.layout.num_replicas > 1:
             self.log(self.layout.describe())
         if restored:
@@ -152,7 +146,8 @@ class Controller:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")
             self._mark_done(step)
             return {}
-        writer: Any = SummaryWriter(self.logdir, "train") if self.layout.is_chief else _NoSummaries()
+        writer: SummaryWriter | _NoSummaries = (SummaryWriter(self.logdir, "train") if self.layout.is_chief
+                                                else _NoSummaries())
         if step == 0:
             writer.text(0, "params", self.params.to_text())
         if self.layout.is_chief:
@@ -166,7 +161,7 @@ class Controller:
             writer.close()
         return metrics
 
-    def _loop(self, step: int, writer: SummaryWriter, evaluate_every: int | None) -> dict[str, float]:
+    def _loop(self, step: int, writer: SummaryWriter | _NoSummaries, evaluate_every: int | None) -> dict[str, float]:
         tp = self.params.train
         batch_size = self.params.input.train.batch_size
         metrics: dict[str, Any] = {}
@@ -176,7 +171,8 @@ class Controller:
         while step < tp.max_steps:
             if self.profile_steps and step == self.profile_steps[0]:
                 tf.profiler.experimental.start(self.logdir)
-            metrics = self.learner.train_step(next(self.train_iterator))
+            metrics = self.learner.train_step(next(self.train_iterator),
+                                              tf.constant(self._stop_signal is not None))
             step += 1
             if self.profile_steps and step == self.profile_steps[1]:
                 tf.profiler.experimental.stop()
@@ -185,7 +181,7 @@ class Controller:
                 self._nonfinite(step, metrics)
             now = time.perf_counter()
             if step % tp.summary_interval_steps == 0 or step == tp.max_steps:
-                values = {k: float(v) for k, v in metrics.items() if k not in ("nonfinite", "first_bad_gradient")}
+                values = {k: float(v) for k, v in metrics.items() if k not in _STATUS_KEYS}
                 steps_per_sec = (step - summary_step) / max(now - summary_time, 1e-9)
                 values.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * batch_size,
                               step_time=1.0 / max(steps_per_sec, 1e-9), **_memory_scalars())
@@ -202,10 +198,14 @@ class Controller:
                 self._save(step)
             if evaluate_every and step % evaluate_every == 0 and step < tp.max_steps and self.layout.is_chief:
                 self._evaluate_current(step)
-            if self._stop_signal is not None:
+            # Several workers stop together, after the step whose reduced `stop` flag says one was signalled;
+            # alone, a process stops right after the step it was signalled in.
+            if bool(metrics["stop"]) or (self._stop_signal is not None and self.layout.num_workers == 1):
                 self._save(step)
-                self.log(f"stopped by signal {signal.Signals(self._stop_signal).name} at step {step}; "
-                         f"checkpoint saved, run again to resume")
+                cause = (f"signal {signal.Signals(self._stop_signal).name}" if self._stop_signal is not None
+                         else "a signal to another worker")
+                saved = "checkpoint saved" if self.layout.is_chief else "the chief saved a checkpoint"
+                self.log(f"stopped by {cause} at step {step}; {saved}, run again to resume")
                 return {k: float(v) for k, v in metrics.items()}
         if evaluate_every is not None and self.layout.is_chief:
             self._evaluate_current(step)

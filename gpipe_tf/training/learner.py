@@ -6,7 +6,7 @@ This is the step logic only; when to run it, checkpoint and summarize is the con
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import tensorflow as tf
 
@@ -64,12 +64,16 @@ class Learner(tf.Module):
         """The learning rate at `step`: base rate times the schedule's multiplier."""
         return tf.cast(self.tp.learning_rate, tf.float32) * self.schedule(step)
 
-    def _train_step(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+    def _train_step(self, batch: Mapping[str, tf.Tensor], stop_requested: tf.Tensor | None = None
+                    ) -> dict[str, tf.Tensor]:
+        # stop_requested: this process was asked to stop (a signal); the step reports `stop` when any process
+        # of the run was, so all of them stop after the same step.
+        stop_requested = tf.constant(False) if stop_requested is None else stop_requested
         step = self.global_step.read_value()
         for layer in self._stepped_layers:
             layer.set_training_step(step)
         seed = tf.stack([tf.constant(self.tp.seed, tf.int64), step])
-        loss, metrics, grads, aux = self._loss_and_gradients(batch, seed)
+        loss, metrics, grads, aux, stop = self._loss_and_gradients(batch, seed, stop_requested)
         # A NaN/Inf loss or gradient must not reach the variables: the update is skipped and the step reports
         # which gradient went bad first (-1: only the loss), so the controller can stop or go on.
         finite = [tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
@@ -92,17 +96,23 @@ class Learner(tf.Module):
         out = {name: tf.cast(value, tf.float32) for name, (value, _) in metrics.items()}
         out.update(loss=tf.cast(loss, tf.float32), grad_norm=tf.cast(grad_norm, tf.float32), learning_rate=lr,
                    var_norm=tf.cast(tf.linalg.global_norm(self.variables_to_train), tf.float32),
-                   nonfinite=tf.logical_not(all_finite), first_bad_gradient=first_bad)
+                   nonfinite=tf.logical_not(all_finite), first_bad_gradient=first_bad, stop=stop)
         return out
 
-    def _loss_and_gradients(self, batch: Mapping[str, tf.Tensor], seed: tf.Tensor
-                            ) -> tuple[tf.Tensor, Metrics, list[tf.Tensor | None], dict]:
-        """Loss, metrics, gradients and batch-norm statistics of the global batch, over all replicas."""
+    def _loss_and_gradients(self, batch: Mapping[str, tf.Tensor], seed: tf.Tensor, stop: tf.Tensor
+                            ) -> tuple[tf.Tensor, Metrics, list[tf.Tensor | None], dict[str, Any], tf.Tensor]:
+        """Loss, metrics, gradients, batch-norm statistics and the stop request of the global batch.
+
+        With several replicas each computes its slice's weighted-mean loss; they are combined with the slices'
+        loss weights (metrics['loss'][1], e.g. real target tokens), so D replicas take the same step as one model
+        on the whole batch even when slices hold different numbers of real examples. `stop`: this process asks
+        the run to stop after this step; the result is True when any process asked.
+        """
         layout = self.layout
         if layout.num_replicas == 1:
             ctx = FPropContext(training=True, seed=seed, aux={})
             loss, metrics, grads = self.task.loss_and_gradients(batch, ctx)
-            return loss, metrics, grads, ctx.aux
+            return loss, metrics, grads, ctx.aux, stop
         size = microbatch.batch_size(batch)
         if size % layout.num_replicas:
             raise ParamsError(f"global batch size {size} is not divisible by the {layout.num_replicas} data-parallel "
@@ -120,19 +130,27 @@ class Learner(tf.Module):
         loss0, metrics0, grads0, aux0 = runs[0]
         names = sorted(metrics0)
         present = [i for i, g in enumerate(grads0) if g is not None]
-        # Replicas see equal slices: the global loss, metrics and gradients are their means; batch-norm
-        # statistics are sums (sum, sum of squares, count) and add up.
-        means = layout.all_reduce(tf.distribute.ReduceOp.MEAN, [
-            [loss] + [metrics[n][0] for n in names] + [grads[i] for i in present] for loss, metrics, grads, _ in runs])
-        sums = layout.all_reduce(tf.distribute.ReduceOp.SUM, [
-            [metrics[n][1] for n in names] + tf.nest.flatten(aux) for _, metrics, _, aux in runs])
-        loss = means[0]
-        metrics = {n: (means[1 + j], sums[j]) for j, n in enumerate(names)}
+        parts = []
+        for r, (loss, metrics, grads, aux) in enumerate(runs):
+            weight = metrics["loss"][1] if "loss" in metrics else tf.ones([], loss.dtype)
+            parts.append([loss * tf.cast(weight, loss.dtype), tf.cast(weight, loss.dtype)]
+                         + [metrics[n][0] * tf.cast(metrics[n][1], metrics[n][0].dtype) for n in names]
+                         + [tf.cast(metrics[n][1], metrics[n][0].dtype) for n in names]
+                         + [grads[i] * tf.cast(weight, grads[i].dtype) for i in present]
+                         # Batch-norm statistics are sums (sum, sum of squares, count): they add up.
+                         + tf.nest.flatten(aux)
+                         + [tf.cast(stop if r == 0 else False, tf.float32)])
+        sums = layout.all_reduce(tf.distribute.ReduceOp.SUM, parts)
+        total_weight = sums[1]
+        loss = tf.math.divide_no_nan(sums[0], total_weight)
+        n = len(names)
+        metrics = {name: (tf.math.divide_no_nan(sums[2 + j], sums[2 + n + j]), sums[2 + n + j])
+                   for j, name in enumerate(names)}
         reduced = list(grads0)
         for j, i in enumerate(present):
-            reduced[i] = means[1 + len(names) + j]
-        aux = tf.nest.pack_sequence_as(aux0, sums[len(names):])
-        return loss, metrics, reduced, aux
+            reduced[i] = tf.math.divide_no_nan(sums[2 + 2 * n + j], tf.cast(total_weight, sums[2 + 2 * n + j].dtype))
+        aux = tf.nest.pack_sequence_as(aux0, sums[2 + 2 * n + len(present):-1])
+        return loss, metrics, reduced, aux, sums[-1] > 0
 
     def gradient_names(self) -> list[str]:
         """Names of the trained variables, in the order `first_bad_gradient` indexes."""

@@ -6,7 +6,7 @@ batch-norm statistics are reduced with TensorFlow's own cross-device machinery:
 
 * one process (`train.num_replicas` = D): a `tf.distribute.MirroredStrategy` over the replicas' first-stage
   devices; its cross-device ops reduce (NCCL all-reduce between GPUs, `ReductionToOneDevice` between CPUs);
-* several processes (TF_CONFIG, one per host, each running `train.num_replicas` local replicas, 1 on CPU):
+* several processes (TF_CONFIG, one replica per process, its pipeline on that host's devices):
   `tf.distribute.MultiWorkerMirroredStrategy`, whose collective all-reduce crosses hosts over gRPC (or NCCL).
 
 The replicas' weights are the model's one set of variables per process: each process applies the same reduced
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -83,8 +83,10 @@ class ReplicaLayout:
 
         Returns the reduced tensors as seen by local replica 0 (each placed where its replica-0 value was).
         """
-        if self.strategy is None or self.num_replicas == 1:
+        if self.num_replicas == 1:
             return list(per_replica[0])
+        if self.strategy is None:
+            raise RuntimeError(f"{self.local_replicas} local replicas but no strategy: call attach_devices() first")
         if len(per_replica) != self.local_replicas:
             raise ValueError(f"got values of {len(per_replica)} replicas; this process runs {self.local_replicas}")
         if not per_replica[0]:
@@ -110,6 +112,29 @@ class ReplicaLayout:
             for i, r in zip(indices, reduced):
                 out[i] = self.strategy.experimental_local_results(r)[0]
         return out
+
+    def check_agreement(self, settings: Mapping[str, int]) -> None:
+        """Raises ConfigError unless every worker runs with the same `settings` (e.g. train.max_steps).
+
+        Workers that disagree would wait for each other's collectives forever; this finds out at start-up.
+        """
+        if self.num_workers == 1 or not settings:
+            return
+        names = sorted(settings)
+        mine = tf.constant([float(settings[n]) for n in names], tf.float64)
+
+        @tf.function
+        def moments() -> list[tf.Tensor]:
+            parts = [[mine, tf.square(mine)]] + [[tf.zeros_like(mine)] * 2] * (self.local_replicas - 1)
+            return self.all_reduce(tf.distribute.ReduceOp.SUM, parts)
+
+        total, total_sq = (t.numpy() for t in moments())
+        # All equal exactly when n * sum(v^2) == (sum v)^2, which every worker computes alike.
+        differing = [n for j, n in enumerate(names) if abs(self.num_workers * total_sq[j] - total[j] ** 2) > 1e-6]
+        if differing:
+            raise ConfigError(f"the workers of this run disagree on {', '.join(differing)} (this worker: "
+                              f"{', '.join(f'{n}={settings[n]}' for n in differing)}); start every worker with the "
+                              "same flags and Params")
 
     def broadcast_from_chief(self, variables: Sequence[tf.Variable]) -> None:
         """Sets every worker's `variables` to the chief's values (a sum in which the other workers add zero)."""
@@ -172,7 +197,16 @@ def make_layout(local_replicas: int, use_cluster: bool = True) -> ReplicaLayout:
     if local_replicas != 1:
         raise ConfigError(f"train.num_replicas={local_replicas} with TF_CONFIG: a multi-worker run holds one "
                           "pipeline replica per process; start one process per replica")
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    # One replica per worker, on GPU hosts too: left alone, the strategy would make every visible GPU a replica,
+    # while here a worker's GPUs are its pipeline's stages.
+    gpus = tf.config.list_physical_devices("GPU")
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec(), task_type="worker", task_id=index,
+        num_accelerators={"GPU": 1} if gpus else {}, rpc_layer="grpc")
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    if strategy.num_replicas_in_sync != num_workers:
+        raise ConfigError(f"the multi-worker strategy has {strategy.num_replicas_in_sync} replicas for "
+                          f"{num_workers} workers; expected one replica per worker (TF_CONFIG)")
     return ReplicaLayout(local_replicas=1, num_workers=num_workers, worker_index=index, strategy=strategy)
 
 
@@ -204,3 +238,22 @@ def make_tpu_strategy(num_replicas: int, num_stages: int, tpu: str = "") -> tf.d
     topology = tf.tpu.experimental.initialize_tpu_system(resolver)
     return tf.distribute.TPUStrategy(
         resolver, experimental_device_assignment=tpu_device_assignment(topology, num_replicas, num_stages))
+
+
+def replica_home_devices(task: tf.Module, local_replicas: int) -> list[str]:
+    """Each local replica's first-stage device: that of the task's pipelines, else device r of the default kind.
+
+    Every pipeline of the task must have been built for `local_replicas` replicas (inside
+    `placement.replicas(local_replicas)`).
+    """
+    from gpipe_tf.gpipe.pipeline import GPipe
+
+    pipes = [m for m in task.submodules if isinstance(m, GPipe)]
+    for pipe in pipes:
+        if len(pipe.replica_devices) != local_replicas:
+            raise ConfigError(f"pipeline {pipe.path} was built for {len(pipe.replica_devices)} replicas, the run has "
+                              f"{local_replicas} (train.num_replicas / --num_replicas); build the task inside "
+                              "gpipe_tf.gpipe.placement.replicas(train.num_replicas)")
+    if pipes:
+        return [devices[0] for devices in pipes[0].replica_devices]
+    return [devices[0] for devices in placement.replica_stage_devices(local_replicas, 1, "auto")]

@@ -174,8 +174,10 @@ def test_decoder_rejects_other_input_structures():
 
 def test_decoder_params_extend_the_encoder_params():
     encoder, decoder = TransformerEncoderLayer.params(), TransformerDecoderLayer.params()
-    assert decoder.keys()[1:] == encoder.keys()[1:]  # all but `cls`
-    assert all(decoder.get(k) == encoder.get(k) for k in encoder.keys()[1:])
+    # All but `cls`, and the encoder's `causal` switch (a decoder's self-attention is always causal).
+    shared = [k for k in encoder.keys()[1:] if k != "causal"]
+    assert decoder.keys()[1:] == shared
+    assert all(decoder.get(k) == encoder.get(k) for k in shared)
 
 
 @pytest.mark.parametrize("params", [

@@ -127,13 +127,16 @@ class MultiHeadAttention(BaseLayer):
         shape = tf.concat([tf.shape(x)[:-1], [self.p.num_heads, self._head_dim]], 0)
         return tf.reshape(x, shape)
 
-    def compute_attention(self, theta: Mapping[str, Any], query: tf.Tensor, memory: tf.Tensor, bias: Any,
-                          ctx: FPropContext) -> tuple[tf.Tensor, tf.Tensor]:
-        """Returns (output [B, Tq, model_dim], attention probabilities [B, heads, Tq, Tk] before dropout)."""
-        ch = self.children
-        q = self._split_heads(ch["query"].fprop(theta["query"], query, ctx))
-        k = self._split_heads(ch["key"].fprop(theta["key"], memory, ctx))
-        v = self._split_heads(ch["value"].fprop(theta["value"], memory, ctx))
+    def project(self, theta: Mapping[str, Any], name: str, x: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
+        """The `name` ('query', 'key' or 'value') projection of x [B, T, model_dim], split: [B, T, heads, head_dim]."""
+        return self._split_heads(self.children[name].fprop(theta[name], x, ctx))
+
+    def attend_heads(self, theta: Mapping[str, Any], q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, bias: Any,
+                     ctx: FPropContext) -> tuple[tf.Tensor, tf.Tensor]:
+        """Attention of projected heads (`project`): (output [B, Tq, model_dim], probabilities before dropout).
+
+        Incremental decoding calls this with cached keys and values, so a step matches the full pass to rounding.
+        """
         # Scaling q (Tq * head_dim elements) is cheaper than scaling the logits (Tq * Tk per head).
         # A Python float takes q's dtype here; tf.cast of a Python float would round it to float32 first.
         q *= self._head_dim ** -0.5
@@ -144,10 +147,19 @@ class MultiHeadAttention(BaseLayer):
         if bias is not None:
             logits += tf.cast(bias, compute_dtype)
         probs = tf.cast(tf.nn.softmax(logits, axis=-1), v.dtype)
+        ch = self.children
         dropped = ch["atten_dropout"].fprop(theta["atten_dropout"], probs, ctx)
         context = tf.einsum("bnqk,bknh->bqnh", dropped, v)
         context = tf.reshape(context, tf.concat([tf.shape(context)[:-2], [self.p.num_heads * self._head_dim]], 0))
         return ch["post"].fprop(theta["post"], context, ctx), probs
+
+    def compute_attention(self, theta: Mapping[str, Any], query: tf.Tensor, memory: tf.Tensor, bias: Any,
+                          ctx: FPropContext) -> tuple[tf.Tensor, tf.Tensor]:
+        """Returns (output [B, Tq, model_dim], attention probabilities [B, heads, Tq, Tk] before dropout)."""
+        q = self.project(theta, "query", query, ctx)
+        k = self.project(theta, "key", memory, ctx)
+        v = self.project(theta, "value", memory, ctx)
+        return self.attend_heads(theta, q, k, v, bias, ctx)
 
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> tf.Tensor:
         """Attends `query` over `memory`: inputs (query, memory, bias) -> [B, Tq, model_dim]."""

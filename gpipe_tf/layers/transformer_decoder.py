@@ -40,7 +40,6 @@ from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.normalization import LayerNorm
 from gpipe_tf.layers.transformer import define_block_params, residual_block
 
-_HALF_DTYPES = (tf.float16, tf.bfloat16)
 _BLOCKS = ("self_atten", "cross_atten", "ffn")
 
 
@@ -131,29 +130,6 @@ class TransformerDecoderLayer(BaseLayer):
 
     # ---------------------------------------------------------------------------------- incremental decoding
 
-    def _project(self, attention: BaseLayer, theta: Mapping[str, Any], name: str, x: tf.Tensor,
-                 ctx: FPropContext) -> tf.Tensor:
-        """One of the attention's q/k/v projections, split into heads: [B, T, heads, head_dim]."""
-        y = attention.children[name].fprop(theta[name], x, ctx)
-        return tf.reshape(y, tf.concat([tf.shape(y)[:-1], [self.p.num_heads, self._head_dim]], 0))
-
-    def _attend(self, attention: BaseLayer, theta: Mapping[str, Any], q: tf.Tensor, k: tf.Tensor, v: tf.Tensor,
-                bias: Any, ctx: FPropContext) -> tf.Tensor:
-        """Attention on projected heads, the same computation as MultiHeadAttention.compute_attention after its
-        projections (so that a step matches the full pass to rounding): returns [B, Tq, model_dim]."""
-        q *= self._head_dim ** -0.5
-        logits = tf.einsum("bqnh,bknh->bnqk", q, k)
-        # As in MultiHeadAttention: half-precision softmax loses small probabilities and the masks' range.
-        compute_dtype = tf.float32 if logits.dtype in _HALF_DTYPES else logits.dtype
-        logits = tf.cast(logits, compute_dtype)
-        if bias is not None:
-            logits += tf.cast(bias, compute_dtype)
-        probs = tf.cast(tf.nn.softmax(logits, axis=-1), v.dtype)
-        probs = attention.children["atten_dropout"].fprop(theta["atten_dropout"], probs, ctx)
-        context = tf.einsum("bnqk,bknh->bqnh", probs, v)
-        context = tf.reshape(context, tf.concat([tf.shape(context)[:-2], [self.p.num_heads * self._head_dim]], 0))
-        return attention.children["post"].fprop(theta["post"], context, ctx)
-
     def init_cache(self, batch_size: int | tf.Tensor, max_length: int, theta: Mapping[str, Any] | None = None,
                    memory: tf.Tensor | None = None) -> dict[str, tf.Tensor]:
         """An empty cache for `batch_size` sequences of up to `max_length` positions (format: module doc).
@@ -168,8 +144,8 @@ class TransformerDecoderLayer(BaseLayer):
             theta = self.theta if theta is None else theta
             cross, ct = self.children["cross_atten"], theta["cross_atten"]
             ctx = FPropContext(training=False)  # projections are deterministic: no dropout inside them
-            cache["cross_key"] = self._project(cross, ct, "key", memory, ctx)
-            cache["cross_value"] = self._project(cross, ct, "value", memory, ctx)
+            cache["cross_key"] = cross.project(ct, "key", memory, ctx)
+            cache["cross_value"] = cross.project(ct, "value", memory, ctx)
         return cache
 
     def extend_step(self, theta: Mapping[str, Any], x_step: tf.Tensor, cache: Mapping[str, tf.Tensor],
@@ -196,27 +172,27 @@ class TransformerDecoderLayer(BaseLayer):
         new_cache = dict(cache)
 
         def self_attend(h: tf.Tensor) -> tf.Tensor:
-            q = self._project(self_atten, ts, "query", h, ctx)
-            k = self._project(self_atten, ts, "key", h, ctx)
-            v = self._project(self_atten, ts, "value", h, ctx)
+            q = self_atten.project(ts, "query", h, ctx)
+            k = self_atten.project(ts, "key", h, ctx)
+            v = self_atten.project(ts, "value", h, ctx)
             new_cache["key"] = tf.tensor_scatter_nd_update(keys, index, k[:, 0])
             new_cache["value"] = tf.tensor_scatter_nd_update(values, index, v[:, 0])
-            return self._attend(self_atten, ts, q, new_cache["key"], new_cache["value"], self_bias, ctx)
+            return self_atten.attend_heads(ts, q, new_cache["key"], new_cache["value"], self_bias, ctx)[0]
 
         cross_atten, tc = self.children["cross_atten"], theta["cross_atten"]
         cross_bias = self._padding_bias(src_paddings)
 
         def cross_attend(h: tf.Tensor) -> tf.Tensor:
-            q = self._project(cross_atten, tc, "query", h, ctx)
+            q = cross_atten.project(tc, "query", h, ctx)
             if "cross_key" in cache:
                 k, v = cache["cross_key"], cache["cross_value"]
             elif memory is None:
                 raise ValueError(f"{self.path}.extend_step: memory is None and the cache holds no projected memory; "
                                  "pass memory, or build the cache with init_cache(..., memory=memory)")
             else:
-                k = self._project(cross_atten, tc, "key", memory, ctx)
-                v = self._project(cross_atten, tc, "value", memory, ctx)
-            return self._attend(cross_atten, tc, q, k, v, cross_bias, ctx)
+                k = cross_atten.project(tc, "key", memory, ctx)
+                v = cross_atten.project(tc, "value", memory, ctx)
+            return cross_atten.attend_heads(tc, q, k, v, cross_bias, ctx)[0]
 
         y = self._residual_block(theta, x_step, "self_atten", self_attend, ctx)
         y = self._cross_and_ffn(theta, y, cross_attend, ctx)

@@ -20,6 +20,7 @@ from gpipe_tf.layers.sequential import Sequential
 from gpipe_tf.layers.softmax import SoftmaxCrossEntropy
 from gpipe_tf.layers.transformer import TransformerEncoderLayer
 from gpipe_tf.layers.transformer_decoder import TransformerDecoderLayer
+from tests.np_reference import np_attention, np_layer_norm, np_linear, num_variable_elements, randomize
 
 RNG = np.random.default_rng(0)
 EVAL = FPropContext(training=False)
@@ -29,37 +30,6 @@ SRC_PADDINGS = np.array([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
 # ------------------------------------------------------------------------------------------ NumPy references
 
 
-def randomize(layer, scale=0.5):
-    """Random values for every variable, so that biases and layer-norm scales (constant at init) are exercised."""
-    for v in layer.trainable_variables:
-        v.assign(RNG.normal(scale=scale, size=v.shape))
-    return tf.nest.map_structure(lambda v: v.numpy(), layer.theta)
-
-
-def np_linear(x, t):
-    return x @ t["w"] + t["b"] if "b" in t else x @ t["w"]
-
-
-def np_layer_norm(x, t, eps):
-    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + eps) * t["scale"] + t["bias"]
-
-
-def np_attention(t, query, memory, masked, num_heads):
-    """Reference attention; `masked` is a boolean array broadcastable to [B, H, Tq, Tk] (True = may not attend)."""
-    def heads(x):
-        return x.reshape(x.shape[0], x.shape[1], num_heads, -1)
-    q, k, v = (heads(np_linear(query, t["query"])), heads(np_linear(memory, t["key"])),
-               heads(np_linear(memory, t["value"])))
-    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    if masked is not None:
-        logits = np.where(masked, -np.inf, logits)
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    probs = e / e.sum(-1, keepdims=True)
-    out = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(query.shape[0], query.shape[1], -1)
-    return np_linear(out, t["post"])
-
-
 def np_decoder(x, tgt_paddings, memory, src_paddings, t, p):
     length = x.shape[1]
     self_masked = np.triu(np.ones((length, length), bool), k=1)[None, None]
@@ -67,8 +37,8 @@ def np_decoder(x, tgt_paddings, memory, src_paddings, t, p):
         self_masked = self_masked | (tgt_paddings > 0)[:, None, None, :]
     cross_masked = None if src_paddings is None else (src_paddings > 0)[:, None, None, :]
     blocks = [
-        ("self_atten", lambda h: np_attention(t["self_atten"], h, h, self_masked, p.num_heads)),
-        ("cross_atten", lambda h: np_attention(t["cross_atten"], h, memory, cross_masked, p.num_heads)),
+        ("self_atten", lambda h: np_attention(t["self_atten"], h, h, self_masked, p.num_heads)[0]),
+        ("cross_atten", lambda h: np_attention(t["cross_atten"], h, memory, cross_masked, p.num_heads)[0]),
         ("ffn", lambda h: np_linear(np.maximum(np_linear(h, t["ffn"]["fc1"]), 0), t["ffn"]["fc2"])),
     ]
     for name, fn in blocks:
@@ -83,10 +53,6 @@ def np_decoder(x, tgt_paddings, memory, src_paddings, t, p):
 def np_log_softmax(logits):
     shifted = logits - logits.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
-def num_variable_elements(layer):
-    return sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
 
 
 def decoder_params(pre_norm=True, **kwargs):
@@ -107,7 +73,7 @@ def decoder_inputs(batch=2, length=5, src_length=4, kind=tuple):
 @pytest.mark.parametrize("kind", [tuple, list])
 def test_decoder_layer_matches_numpy_with_padding_and_causal_masks(pre_norm, kind):
     layer = decoder_params(pre_norm, ln_epsilon=1e-3).instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     x, memory, inputs = decoder_inputs(kind=kind)
     out = layer(inputs)
     assert type(out) is kind and len(out) == 4
@@ -129,7 +95,7 @@ def test_decoder_layer_matches_numpy_with_padding_and_causal_masks(pre_norm, kin
 
 def test_decoder_layer_without_paddings_is_only_causal():
     layer = decoder_params().instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     x, memory, inputs = decoder_inputs()
     out = layer((inputs[0], None, inputs[2], None))
     assert out[1] is None and out[3] is None
@@ -138,7 +104,7 @@ def test_decoder_layer_without_paddings_is_only_causal():
 
 def test_decoder_fprop_reads_weights_only_from_theta():
     layer = decoder_params().instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     doubled = tf.nest.map_structure(lambda a: tf.constant(2.0 * a), t)
     x, memory, inputs = decoder_inputs()
     out = tf.function(lambda theta, i: layer.fprop(theta, i, EVAL))(doubled, inputs)
@@ -149,7 +115,7 @@ def test_decoder_fprop_reads_weights_only_from_theta():
 @pytest.mark.parametrize("rate_field", ["dropout_rate", "attention_dropout_rate", "relu_dropout_rate"])
 def test_decoder_dropout_is_seeded_and_only_in_training(rate_field):
     layer = decoder_params(**{rate_field: 0.3}).instantiate()
-    randomize(layer)
+    randomize(layer, RNG)
     _, _, inputs = decoder_inputs()
     ctx = FPropContext(training=True, seed=tf.constant([1, 2], tf.int64))
     a, b = layer(inputs, ctx)[0].numpy(), layer(inputs, ctx)[0].numpy()
@@ -234,7 +200,7 @@ def test_decoder_output_spec_and_flops():
 @pytest.mark.parametrize("cached_memory", [False, True])
 def test_extend_step_equals_full_fprop_at_every_position(pre_norm, cached_memory):
     layer = decoder_params(pre_norm).instantiate()
-    randomize(layer)
+    randomize(layer, RNG)
     x, memory, _ = decoder_inputs()
     x, memory, src = tf.constant(x), tf.constant(memory), tf.constant(SRC_PADDINGS)
     full = layer((x, tf.zeros([2, 5], tf.float64), memory, src))[0].numpy()
@@ -368,7 +334,7 @@ class TinyDecoder:
         self.softmax = SoftmaxCrossEntropy.params().set(name="softmax", input_dim=8, num_classes=VOCAB,
                                                         dtype="float64").instantiate()
         for layer in (self.emb, self.dec, self.softmax):
-            randomize(layer, scale=0.7)
+            randomize(layer, RNG, scale=0.7)
         self.memory = tf.constant(RNG.normal(size=(2, 4, 8)))
         self.src = tf.constant(SRC_PADDINGS)
 

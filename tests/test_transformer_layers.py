@@ -11,43 +11,13 @@ from gpipe_tf.layers.attention import (FeedForward, MultiHeadAttention, causal_b
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.sequential import Sequential
 from gpipe_tf.layers.transformer import TransformerEncoderLayer
+from tests.np_reference import np_attention, np_layer_norm, np_linear, num_variable_elements, randomize
 
 RNG = np.random.default_rng(0)
 EVAL = FPropContext(training=False)
 PADDINGS = np.array([[0.0, 0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
 
 # ------------------------------------------------------------------------------------------ NumPy references
-
-
-def randomize(layer, scale=0.5):
-    """Random values for every variable, so that biases and layer-norm scales (constant at init) are exercised."""
-    for v in layer.trainable_variables:
-        v.assign(RNG.normal(scale=scale, size=v.shape))
-    return tf.nest.map_structure(lambda v: v.numpy(), layer.theta)
-
-
-def np_linear(x, t):
-    return x @ t["w"] + t["b"] if "b" in t else x @ t["w"]
-
-
-def np_layer_norm(x, t, eps):
-    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + eps) * t["scale"] + t["bias"]
-
-
-def np_attention(t, query, memory, masked, num_heads):
-    """Reference attention; `masked` is a boolean array broadcastable to [B, H, Tq, Tk] (True = may not attend)."""
-    def heads(x):
-        return x.reshape(x.shape[0], x.shape[1], num_heads, -1)
-    q, k, v = heads(np_linear(query, t["query"])), heads(np_linear(memory, t["key"])), heads(
-        np_linear(memory, t["value"]))
-    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    if masked is not None:
-        logits = np.where(masked, -np.inf, logits)
-    e = np.exp(logits - logits.max(-1, keepdims=True))
-    probs = e / e.sum(-1, keepdims=True)
-    out = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(query.shape[0], query.shape[1], -1)
-    return np_linear(out, t["post"]), probs
 
 
 def np_ffn(x, t, act):
@@ -69,10 +39,6 @@ def np_encoder(x, paddings, t, p):
         return y + ffn(np_layer_norm(y, t["ffn_ln"], eps))
     y = np_layer_norm(x + attn(x), t["atten_ln"], eps)
     return np_layer_norm(y + ffn(y), t["ffn_ln"], eps)
-
-
-def num_variable_elements(layer):
-    return sum(int(np.prod(v.shape)) for v in layer.trainable_variables)
 
 
 def encoder_params(pre_norm=True, **kwargs):
@@ -101,7 +67,7 @@ def test_padding_and_causal_biases():
 
 def test_attention_with_padding_mask_matches_numpy_and_ignores_padded_keys():
     layer = MultiHeadAttention.params().set(model_dim=8, num_heads=2, dtype="float64").instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     query, memory = RNG.normal(size=(2, 3, 8)), RNG.normal(size=(2, 5, 8))
     bias = padding_bias(tf.constant(PADDINGS))
     out, probs = layer.compute_attention(layer.theta, tf.constant(query), tf.constant(memory), bias, EVAL)
@@ -121,7 +87,7 @@ def test_attention_with_padding_mask_matches_numpy_and_ignores_padded_keys():
 def test_attention_with_causal_mask_gives_future_keys_zero_weight(dtype):
     layer = MultiHeadAttention.params().set(model_dim=6, num_heads=2, head_dim=3 if dtype == "float64" else 5,
                                             has_bias=dtype == "float32", dtype=dtype).instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     x = RNG.normal(size=(2, 4, 6))
     bias = causal_bias(4, dtype) + padding_bias(tf.constant(PADDINGS[:, 1:], dtype))
     out, probs = layer.compute_attention(layer.theta, tf.constant(x, dtype), tf.constant(x, dtype), bias, EVAL)
@@ -151,7 +117,7 @@ def test_attention_in_float16_stays_finite_when_every_key_is_masked():
 def test_feed_forward_matches_numpy(activation, fn):
     layer = FeedForward.params().set(model_dim=4, hidden_dim=7, activation=activation, dropout_rate=0.5,
                                      dtype="float64").instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     x = RNG.normal(size=(2, 3, 4))
     np.testing.assert_allclose(layer(tf.constant(x)).numpy(), np_ffn(x, t, fn), rtol=1e-10)
 
@@ -163,7 +129,7 @@ def test_feed_forward_matches_numpy(activation, fn):
 @pytest.mark.parametrize("kind", ["tensor", "tuple", "list"])
 def test_encoder_layer_matches_numpy(pre_norm, kind):
     layer = encoder_params(pre_norm, ln_epsilon=1e-3).instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     x = RNG.normal(size=(2, 5, 8))
     if kind == "tensor":
         out = layer(tf.constant(x))
@@ -182,7 +148,7 @@ def test_encoder_layer_matches_numpy(pre_norm, kind):
 
 def test_encoder_fprop_reads_weights_only_from_theta():
     layer = encoder_params().instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     doubled = tf.nest.map_structure(lambda a: tf.constant(2.0 * a), t)
     x = RNG.normal(size=(2, 5, 8))
     run = tf.function(lambda theta, inputs: layer.fprop(theta, inputs, EVAL))
@@ -195,7 +161,7 @@ def test_encoder_fprop_reads_weights_only_from_theta():
 @pytest.mark.parametrize("rate_field", ["dropout_rate", "attention_dropout_rate", "relu_dropout_rate"])
 def test_encoder_dropout_is_seeded_and_only_in_training(rate_field):
     layer = encoder_params(**{rate_field: 0.3}).instantiate()
-    t = randomize(layer)
+    t = randomize(layer, RNG)
     x = RNG.normal(size=(2, 5, 8))
     inputs = (tf.constant(x), tf.constant(PADDINGS))
     ctx = FPropContext(training=True, seed=tf.constant([1, 2], tf.int64))
@@ -213,7 +179,7 @@ def test_encoder_dropout_is_seeded_and_only_in_training(rate_field):
 def test_sequential_of_two_encoder_layers_with_tuple_input():
     layers = [encoder_params(pre_norm=True), encoder_params(pre_norm=False, dropout_rate=0.1)]
     seq = Sequential.params().set(layers=layers, dtype="float64").instantiate()
-    randomize(seq)
+    randomize(seq, RNG)
     x = RNG.normal(size=(2, 5, 8))
     paddings = tf.constant(PADDINGS)
     out = seq((tf.constant(x), paddings))

@@ -136,7 +136,7 @@ class Controller:
         self.layout.broadcast_from_chief([*self.task.variables, *self.learner.optimizer.variables,
                                           self.learner.global_step])
         step = int(self.learner.global_step.numpy())
-        self.layout.check_agreement({"train.max_steps": tp.max_steps, "train.num_replicas": tp.num_replicas,
+        self.layout.check_agreement({"train.max_steps": tp.max_steps,
                                      "input.train.batch_size": self.params.input.train.batch_size})
         if self.layout.num_replicas > 1:
             self.log(self.layout.describe())

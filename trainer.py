@@ -33,27 +33,28 @@ MODES = ("train", "eval", "train_and_eval", "decode", "inspect", "inspect_params
 flags.DEFINE_string("model", None, "Registry key of the experiment, e.g. toy.classifier.BlobsMlp.")
 flags.DEFINE_string("logdir", None, "Run directory: params, checkpoints and TensorBoard events.")
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
-flags.DEFINE_integer("max_steps", None, "Train up to this global step (overrides train.max_steps).")
+flags.DEFINE_integer("max_steps", None, "Train up to this global step (overrides train.max_steps).", lower_bound=1)
 flags.DEFINE_string("params", "", "Dotted Params overrides, e.g. 'train.learning_rate=0.1,train.seed=3'.")
 flags.DEFINE_multi_string("gin_file", [], "Gin files binding experiment knobs.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'BlobsMlp.hidden_dims=(128, 128)'.")
 flags.DEFINE_integer("logical_devices", None, "Split the CPU into this many logical devices before TF starts "
-                     "(default: the experiment's logical_devices).")
+                     "(default: the experiment's logical_devices).", lower_bound=1)
 flags.DEFINE_bool("list_models", False, "Print every registered experiment key and exit.")
 flags.DEFINE_bool("eval_once", False, "--mode=eval: evaluate the newest checkpoint once instead of following "
                   "the trainer.")
 flags.DEFINE_float("eval_timeout_secs", 3600.0, "--mode=eval: stop following after this long without a new "
-                   "checkpoint.")
+                   "checkpoint.", lower_bound=0.0)
 flags.DEFINE_bool("quiet", False, "No progress lines (warnings, errors and results still print).")
 flags.DEFINE_string("profile_steps", None, "START,END: capture a TF profiler trace of those steps into the logdir "
                     "(TensorBoard's Profile tab; pip install -e '.[profile]').")
 flags.DEFINE_bool("json", False, "--mode=inspect: print one JSON object.")
 flags.DEFINE_integer("num_replicas", None, "Data-parallel pipeline replicas in this process (overrides "
-                     "train.num_replicas); replica r's stage k runs on device r*K+k.")
+                     "train.num_replicas); replica r's stage k runs on device r*K+k.", lower_bound=1)
 flags.DEFINE_list("worker_hosts", [], "Multi-worker data parallelism: host:port of every trainer process, the chief "
                   "first (writes TF_CONFIG; or set TF_CONFIG yourself). Each process runs its replicas' pipelines "
                   "and tf.distribute all-reduces gradients across processes.")
-flags.DEFINE_integer("task_index", 0, "With --worker_hosts: this process's index in that list (0: the chief).")
+flags.DEFINE_integer("task_index", 0, "With --worker_hosts: this process's index in that list (0: the chief).",
+                     lower_bound=0)
 flags.DEFINE_list("stage_workers", [], "Place pipeline stages on these TF servers (host:port each, "
                   "stage k on /job:worker/replica:0/task:k), for pipelines that span processes or hosts.")
 flags.DEFINE_integer("local_stage_workers", None, "Start this many single-thread TF servers on 127.0.0.1 and place "
@@ -97,6 +98,7 @@ def _main(argv: list[str]) -> None:
         _fail(f"--logdir is required for --mode={FLAGS.mode}")
 
     from gpipe_tf.training import logdir as logdir_lib
+    from gpipe_tf.training import run_lock
     from gpipe_tf.training.controller import Controller
 
     profile = _parse_profile_steps(FLAGS.profile_steps)
@@ -104,12 +106,22 @@ def _main(argv: list[str]) -> None:
     layout = _replica_layout(params) if training else None
     _connect_stage_workers()
     if training:
-        if layout.is_chief:
-            logdir_lib.prepare(FLAGS.logdir, params)
-            with open(os.path.join(FLAGS.logdir, "operative_config.gin"), "w", encoding="utf-8") as f:
-                f.write(gin_config)
+        # Everything that can reject the command runs before the logdir is touched: a rejected command leaves it
+        # as it was, and a corrected one is never refused because of it.
+        logdir_lib.check_compatible(FLAGS.logdir, params, training=True)
         controller = Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet, profile_steps=profile,
                                 layout=layout)
+        controller.prepare_training()
+        if layout.is_chief:
+            logdir_lib.check_writable(FLAGS.logdir)
+            _LOCKS.append(run_lock.LogdirLock(FLAGS.logdir))
+            _LOCKS[-1].acquire()
+            logdir_lib.check_compatible(FLAGS.logdir, params, training=True)  # again: now no other trainer writes
+        controller.restore()  # raises, having written nothing, if checkpoints exist and none restores
+        if layout.is_chief:
+            _LOCKS[-1].record_holder()
+            logdir_lib.write_params(FLAGS.logdir, params)
+            logdir_lib.write_text(FLAGS.logdir, "operative_config.gin", gin_config)
         controller.train(evaluate_every=params.train.eval_interval_steps if FLAGS.mode == "train_and_eval" else None)
     elif FLAGS.mode == "eval":
         logdir_lib.check_compatible(FLAGS.logdir, params)
@@ -134,6 +146,7 @@ def _replica_layout(params: Params) -> ReplicaLayout:
 
 
 _STAGE_WORKERS: list[Any] = []
+_LOCKS: list[Any] = []  # the logdir lock, held until the process ends
 
 
 def _connect_stage_workers() -> None:
@@ -177,27 +190,46 @@ def _parse_profile_steps(text: str | None) -> tuple[int, int] | None:
 def main(argv: list[str]) -> None:
     """absl entry point: runs the chosen mode; user errors become one line on stderr and exit status 2."""
     import model_registry
+    from gpipe_tf import errors
     from gpipe_tf.errors import ConfigError, TrainingError
     from gpipe_tf.hyperparams import ParamsError
 
     if not FLAGS["verbosity"].present:
         # TensorFlow's Python INFO logs (checkpoint sharding, ...) would interleave with the progress lines.
         logging.set_verbosity(logging.WARNING)
+    user_errors = (ConfigError, ParamsError, model_registry.RegistryError)
     try:
         _main(argv)
-    except (ConfigError, ParamsError, model_registry.RegistryError) as e:
-        _fail(" ".join(str(e).split()))
     except TrainingError as e:
         print(f"trainer.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(1)
+    except Exception as e:  # noqa: BLE001 - re-raised below unless it is (or wraps) an error the user can fix
+        # tf.function tracing wraps errors raised in user code (autograph's StagingError): the original is in the
+        # exception's chain. An OSError is a full disk or a permission: fixable by the user too.
+        cause = errors.find_in_chain(e, user_errors) or errors.find_in_chain(e, (OSError,))
+        if cause is None:
+            raise
+        if isinstance(cause, OSError):
+            _fail(f"cannot access {cause.filename or 'a file'}: {cause.strerror or cause}; free disk space or fix the "
+                  "permissions, then run again")
+        _fail(" ".join(str(cause).split()))
     finally:
         for local in _STAGE_WORKERS:
             local.stop()
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a bad flag as one `trainer.py: error:` line and exit status 2 (absl: FATAL, 1)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{' '.join(str(e).split())}; run with --help to see the flags")
+        raise  # unreachable: _fail exits
+
+
 def run() -> None:
     """Console-script entry point (`gpipe-trainer`)."""
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class Experiment:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"{type(self).__name__} has no knob {name!r}{hint} "
                                   f"(knobs: {', '.join(sorted(allowed))})")
+            _check_knob_type(type(self).__name__, name, allowed[name], value)
             setattr(self, name, value)
 
     @classmethod
@@ -95,6 +96,30 @@ class Experiment:
         root.define("logical_devices", self.logical_devices,
                     "Split the CPU into this many logical devices at start-up; None: leave it whole.")
         return root
+
+
+def _check_knob_type(experiment: str, name: str, default: Any, value: Any) -> None:
+    """ConfigError when `value` is not of the kind of the knob's default (a gin binding of the wrong type).
+
+    Ints may stand for floats, lists for tuples; a knob whose default is None takes anything.
+    """
+    if default is None or value is None:
+        return
+    kinds: tuple[type, ...]
+    if isinstance(default, bool):
+        kinds = (bool,)
+    elif isinstance(default, float):
+        kinds = (int, float)
+    elif isinstance(default, int):
+        kinds = (int,)
+    elif isinstance(default, (tuple, list)):
+        kinds = (tuple, list)
+    else:
+        kinds = (type(default),)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ConfigError(f"{experiment}.{name}={value!r} is a {type(value).__name__}, but the knob takes a "
+                          f"{' or '.join(k.__name__ for k in kinds)} (default {default!r}); e.g. "
+                          f"--gin_param=\"{experiment}.{name}={default!r}\"")
 
 
 _GIN_REGISTERED: set[str] = set()

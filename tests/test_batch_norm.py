@@ -132,3 +132,20 @@ def test_two_replicas_of_two_micro_batches_equal_one_pipeline_of_four(monkeypatc
     assert len(vars1) == len(vars2)
     for a, b in zip(vars2, vars1):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_float64_moving_averages_use_the_exact_decay():
+    # 0.9 has no exact float32 form: a decay that passed through float32 is off by ~2e-8, far above 1e-12.
+    decay = 0.9
+    layer = BatchNorm.params().set(dim=D, dtype="float64", decay=decay).instantiate()
+    x = RNG.normal(size=(B, D)) * 3 + 2
+    mean0, var0 = RNG.normal(size=D), RNG.uniform(1, 2, size=D)
+    layer.vars["moving_mean"].assign(mean0)
+    layer.vars["moving_variance"].assign(var0)
+    aux = {}
+    layer.fprop(layer.theta, tf.constant(x), FPropContext(training=True, aux=aux))
+    layer.apply_aux_stats(aux)
+    np.testing.assert_allclose(layer.vars["moving_mean"].numpy(), decay * mean0 + (1 - decay) * x.mean(0),
+                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(layer.vars["moving_variance"].numpy(), decay * var0 + (1 - decay) * x.var(0),
+                               rtol=0, atol=1e-12)

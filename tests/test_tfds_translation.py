@@ -257,9 +257,10 @@ def test_batches_feed_the_pipelined_translation_task_unchanged(ted):
 
     inp = _ted_input(ted, split="train", num_batches=None, batch_size=4, max_length=16, bucket_lengths=(16,),
                      shuffle_buffer=64)
-    task = TranslationTask.params().set(
+    p = TranslationTask.params().set(
         name="t", vocab_size=inp.vocab.size, model_dim=16, num_heads=2, hidden_dim=32, num_encoder_layers=1,
-        num_decoder_layers=1, num_stages=2, num_micro_batches=2).instantiate()
+        num_decoder_layers=1)
+    task = p.set(network=TranslationTask.network_params(p, num_stages=2, num_micro_batches=2)).instantiate()
     step = tf.function(lambda batch: task.loss_and_gradients(batch, FPropContext(training=False))[::2])
     for batch in itertools.islice(inp.dataset(), 3):
         loss, grads = step(batch)

@@ -18,10 +18,10 @@ DEVICES = [f"/device:CPU:{i}" for i in range(2)]
 
 
 def tiny_params(dtype="float64", k=1, m=1, share=True):
-    return TranslationTask.params().set(
+    p = TranslationTask.params().set(
         name="translation", dtype=dtype, vocab_size=VOCAB, model_dim=8, num_heads=2, hidden_dim=12,
-        num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0, label_smoothing=0.1,
-        num_stages=k, num_micro_batches=m, devices=DEVICES[:k], share_embeddings=share)
+        num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0, label_smoothing=0.1, share_embeddings=share)
+    return p.set(network=TranslationTask.network_params(p, num_stages=k, num_micro_batches=m, devices=DEVICES[:k]))
 
 
 def tiny_task(dtype="float64", k=1, m=1, share=True):

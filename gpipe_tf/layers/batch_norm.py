@@ -68,7 +68,8 @@ class BatchNorm(BaseLayer):
         total, total_sq, count = aux[self.path]
         mean = total / count
         variance = tf.maximum(total_sq / count - tf.square(mean), 0.0)
-        decay = tf.cast(self.p.decay, self.dtype)
+        # tf.constant, not tf.cast: a Python float cast to float64 passes through float32 (0.9 -> 0.8999999762).
+        decay = tf.constant(self.p.decay, self.dtype)
         self.vars["moving_mean"].assign(decay * self.vars["moving_mean"] + (1 - decay) * mean)
         self.vars["moving_variance"].assign(decay * self.vars["moving_variance"] + (1 - decay) * variance)
 

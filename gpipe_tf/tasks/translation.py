@@ -66,21 +66,18 @@ class TranslationTask(BaseTask):
         p.define("num_decoder_layers", 2, "Decoder layers.")
         p.define("dropout_rate", 0.0, "Residual and embedding dropout.")
         p.define("label_smoothing", 0.1, "Label smoothing of the cross-entropy.")
-        p.define("num_stages", 1, "K: pipeline stages.")
-        p.define("num_micro_batches", 1, "M: micro-batches per batch.")
-        p.define("remat", "never", "Pipeline rematerialization policy.")
-        p.define("schedule", "unrolled", "Pipeline schedule: 'unrolled' or 'loop'.")
-        p.define("devices", None, "Explicit stage devices; None: the pipeline's automatic choice.")
-        p.define("network", None, "GPipe Params of the network; None: built from the fields above by "
-                 "`network_params`. Experiments set it so that the pipeline shows in the Params tree (inspect).")
+        # The pipeline's settings (K, M, remat, schedule, devices) live only in `network`, so that an override of
+        # one of them can never be shadowed by a task-level copy.
+        p.define("network", None, "GPipe Params of the network; None: `network_params` of the fields above, "
+                 "un-pipelined (K=1, M=1). Experiments set it so that the pipeline shows in the Params tree "
+                 "(inspect) and is overridden as task.network.num_stages=..., task.network.num_micro_batches=...")
         return p
 
     @classmethod
-    def network_params(cls, p: InstantiableParams) -> InstantiableParams:
-        """The GPipe Params that the fields of `p` describe (the layer list of `translation_layers`)."""
-        return GPipe.params().set(
-            layers=translation_layers(p), num_stages=p.num_stages, num_micro_batches=p.num_micro_batches,
-            remat=p.remat, schedule=p.schedule, devices=p.devices)
+    def network_params(cls, p: InstantiableParams, **pipeline: Any) -> InstantiableParams:
+        """The GPipe Params of `p`'s layers (`translation_layers`), with `pipeline` settings of GPipe.params()
+        (num_stages, num_micro_batches, remat, schedule, devices, ...)."""
+        return GPipe.params().set(layers=translation_layers(p), **pipeline)
 
     def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
         super().__init__(params, parent_path)

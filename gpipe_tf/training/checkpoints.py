@@ -1,14 +1,27 @@
-"""Checkpoints of a training run: task variables, optimizer slots, global step and input position."""
+"""Checkpoints of a training run: task variables, optimizer slots, global step and input position.
+
+The files on disk are the truth, not TensorFlow's `checkpoint` state file: checkpoints are found by listing
+`ckpt-N.index` files, so a damaged, emptied or deleted state file never hides (and so never lets a run overwrite)
+the checkpoints it should have named. A checkpoint is used only after every tensor of it was read back; a damaged
+one is named in a warning and the next older one is tried.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable
 
 import tensorflow as tf
+from google.protobuf import text_format
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.training.logdir import CHECKPOINT_DIR
+
+STATE_FILE = "checkpoint"
+_FILE_RE = re.compile(r"^ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
+# A truncated or corrupt file surfaces as one of these from the kernels, or IndexError from the Python reader.
+_CORRUPT = (tf.errors.OpError, IndexError)
 
 
 def checkpoint_dir(logdir: str) -> str:
@@ -21,42 +34,113 @@ def make_manager(checkpoint: tf.train.Checkpoint, logdir: str, max_to_keep: int)
     return tf.train.CheckpointManager(checkpoint, checkpoint_dir(logdir), max_to_keep=max_to_keep)
 
 
-def checkpoint_paths(logdir: str) -> list[str]:
-    """Every checkpoint the manager lists, oldest first."""
-    state = tf.train.get_checkpoint_state(checkpoint_dir(logdir))
-    return list(state.all_model_checkpoint_paths) if state else []
-
-
 def step_of(path: str) -> int:
     """The global step in a checkpoint path `.../ckpt-N`."""
     return int(path.rsplit("-", 1)[1])
 
 
-def restore_latest(checkpoint: tf.train.Checkpoint, logdir: str, partial: bool = False,
-                   warn: Callable[[str], None] = print) -> str | None:
-    """Restores the newest readable checkpoint; returns its path (None: fresh start).
+def _steps_on_disk(logdir: str) -> tuple[list[int], list[int]]:
+    """(steps with an index file, steps with data files but no index), each sorted."""
+    directory = checkpoint_dir(logdir)
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []
+    indexed, with_data = set(), set()
+    for name in names:
+        match = _FILE_RE.match(name)
+        if match:
+            (indexed if match.group(2) == "index" else with_data).add(int(match.group(1)))
+    return sorted(indexed), sorted(with_data - indexed)
 
-    A corrupt or partial newest checkpoint (a crash or a full disk while it was written) is skipped with a warning
-    and the previous one is used. `partial` allows objects of the checkpoint to be left unread (an evaluator reads
-    the model only). A checkpoint of another model (other shapes) raises ConfigError.
-    """
+
+def checkpoint_paths(logdir: str) -> list[str]:
+    """Every checkpoint on disk (an `.index` file), oldest first, whatever the state file says."""
+    return [os.path.join(checkpoint_dir(logdir), f"ckpt-{step}") for step in _steps_on_disk(logdir)[0]]
+
+
+def state_file_problem(logdir: str) -> str | None:
+    """Why the state file does not describe the checkpoints on disk (None: it does, or there are none)."""
     paths = checkpoint_paths(logdir)
-    for path in reversed(paths):
-        try:
-            restore(checkpoint, path, partial)
-            return path
-        except _CORRUPT as e:
-            warn(f"warning: checkpoint {path} is unreadable ({_short(e)}); trying the previous one")
-    if paths:
-        raise ConfigError(f"no readable checkpoint in {checkpoint_dir(logdir)}; use a new --logdir")
+    if not paths:
+        return None
+    path = os.path.join(checkpoint_dir(logdir), STATE_FILE)
+    try:
+        state = tf.train.get_checkpoint_state(checkpoint_dir(logdir))
+    except (ValueError, UnicodeDecodeError, text_format.ParseError, tf.errors.OpError) as e:
+        return f"{path} is unreadable ({_short(e)})"
+    if state is None:
+        return f"{path} is missing" if not os.path.exists(path) else f"{path} cannot be parsed (empty, cut or garbage)"
+    named = os.path.basename(state.model_checkpoint_path or "")
+    if named != os.path.basename(paths[-1]):
+        return f"{path} names {named or 'no checkpoint'!r} but {os.path.basename(paths[-1])} is the newest on disk"
     return None
 
 
-# A truncated file surfaces as DataLossError from the kernels, or IndexError from the Python reader.
-_CORRUPT = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError, IndexError)
+def unreadable_reason(path: str) -> str | None:
+    """Why checkpoint `path` cannot be read back completely (None: its index and every tensor read fine)."""
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for name, dtype in reader.get_variable_to_dtype_map().items():
+            if dtype != tf.variant:  # the input iterator's state: no NumPy form; restore() reads it
+                reader.get_tensor(name)
+    except _CORRUPT as e:
+        return _short(e)
+    return None
 
 
-def _short(e: Exception) -> str:
+def restore_latest(checkpoint: tf.train.Checkpoint, logdir: str, partial: bool = False,
+                   warn: Callable[[str], None] = print) -> str | None:
+    """Restores the newest checkpoint that restores completely; returns its path (None: there is none).
+
+    Checkpoints are found by listing the files (a damaged state file is named in a warning). A damaged newest
+    checkpoint (a crash or a full disk while it was written, a deleted file) is named in a warning and the previous
+    one is tried. `partial` allows objects of the checkpoint to be left unread (an evaluator reads the model only).
+    Raises ConfigError when checkpoints exist but none restores, and for a checkpoint of another model.
+    """
+    problem = state_file_problem(logdir)
+    if problem:
+        warn(f"warning: {problem}; using the checkpoint files found in {checkpoint_dir(logdir)}")
+    for step in _steps_on_disk(logdir)[1]:
+        warn(f"warning: ckpt-{step} in {checkpoint_dir(logdir)} has data files but no index file; skipped")
+    paths = checkpoint_paths(logdir)
+    for path in reversed(paths):
+        reason = unreadable_reason(path)
+        if reason is None:
+            try:
+                restore(checkpoint, path, partial)
+                return path
+            except _CORRUPT as e:
+                reason = _short(e)
+        warn(f"warning: checkpoint {path} is unreadable ({reason}); trying the previous one")
+    if paths:
+        raise ConfigError(f"none of the {len(paths)} checkpoints in {checkpoint_dir(logdir)} can be read back "
+                          "(warnings above); nothing was written: restore the files from a backup or use a new "
+                          "--logdir")
+    return None
+
+
+def repair_state_file(logdir: str, restored: str) -> None:
+    """Rewrites the state file to list the checkpoints on disk up to `restored` (the one training goes on from).
+
+    Called after a fallback or a damaged state file, so that CheckpointManager sees the real checkpoints (and
+    max_checkpoints_to_keep counts them) and the next run does not warn again about the same state file.
+    """
+    step = step_of(restored)
+    kept = [p for p in checkpoint_paths(logdir) if step_of(p) <= step]
+    # The manager keeps (and later deletes, past max_to_keep) only checkpoints newer than last_preserved_timestamp.
+    times = [os.path.getmtime(p + ".index") for p in kept]
+    lines = [f'model_checkpoint_path: "{os.path.basename(restored)}"']
+    lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in kept]
+    lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in times]
+    lines.append(f"last_preserved_timestamp: {min(times) - 1.0!r}")
+    path = os.path.join(checkpoint_dir(logdir), STATE_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:  # the text form of TF's CheckpointState proto
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def _short(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
 
 
@@ -68,7 +152,6 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
             status.expect_partial()
         else:
             status.assert_existing_objects_matched()
-    except _CORRUPT:
-        raise
-    except (ValueError, AssertionError, tf.errors.InvalidArgumentError) as e:
+    except (tf.errors.InvalidArgumentError, ValueError, AssertionError) as e:
+        # Every tensor of `path` was read back first (restore_latest), so a mismatch here is another model's.
         raise ConfigError(f"checkpoint {path} does not match this model ({_short(e)}); use a new --logdir") from None

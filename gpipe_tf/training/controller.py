@@ -27,6 +27,7 @@ from gpipe_tf.errors import ConfigError, TrainingError
 from gpipe_tf.gpipe import placement
 from gpipe_tf.hyperparams import Params
 from gpipe_tf.training import checkpoints, pipeline_report
+from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner
 from gpipe_tf.training.replicas import ReplicaLayout, replica_home_devices
@@ -34,7 +35,9 @@ from gpipe_tf.training.summaries import SummaryWriter
 
 DONE_FILE = "TRAINING_DONE"
 # Step outputs that are flags, not scalars to summarize.
-_STATUS_KEYS = ("nonfinite", "first_bad_gradient", "stop")
+_STATUS_KEYS = ("nonfinite", "nonfinite_gradients", "stop")
+# At most this many variable names in a message.
+_NAMES_SHOWN = 4
 
 
 class _NoSummaries:
@@ -48,6 +51,12 @@ class _NoSummaries:
 
     def close(self) -> None:
         """Nothing to close."""
+
+
+def _names(names: list[str]) -> str:
+    """Up to _NAMES_SHOWN names, in the given (variable) order, and how many more."""
+    shown = ", ".join(names[:_NAMES_SHOWN])
+    return shown + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
 
 
 def _format_eta(seconds: float) -> str:
@@ -87,10 +96,43 @@ class Controller:
             self.task = params.task.instantiate()
         self.layout.attach_devices(replica_home_devices(self.task, self.layout.local_replicas))
         self.learner: Learner | None = None
+        self._restored: str | None = None
+        self._ready = False
+        self.manager: tf.train.CheckpointManager | None = None  # made by restore(), after any state-file repair
         self._stop_signal: int | None = None
         self._evaluators: dict[str, Evaluator] = {}
 
     # ----------------------------------------------------------------------------------------------- training
+
+    def prepare_training(self) -> None:
+        """Builds the learner and input and traces the train step: every config error surfaces here.
+
+        Writes nothing, so that the trainer can check a command completely before it touches the logdir. The step
+        is traced on a batch of a second iterator over the same dataset, so the training stream is not advanced.
+        """
+        if self._ready:
+            return
+        self._build_training()
+        probe = next(iter(self.train_input.dataset()))
+        self.learner.train_step.get_concrete_function(probe, tf.constant(False))
+        self._ready = True
+
+    def restore(self) -> str | None:
+        """Restores the newest checkpoint that restores completely (warnings name damaged files); returns its path.
+
+        Raises ConfigError, having written nothing, when checkpoints exist but none restores. Once a checkpoint is
+        restored, the chief rewrites a damaged or stale state file so that the checkpoint manager counts (and never
+        forgets) the checkpoints on disk.
+        """
+        self.prepare_training()
+        problem = checkpoints.state_file_problem(self.logdir)
+        on_disk = checkpoints.checkpoint_paths(self.logdir)
+        self._restored = checkpoints.restore_latest(self.checkpoint, self.logdir, warn=self.log)
+        if self._restored and self.layout.is_chief and (problem or self._restored != on_disk[-1]):
+            checkpoints.repair_state_file(self.logdir, self._restored)
+        self.manager = checkpoints.make_manager(self.checkpoint, self.logdir,
+                                                self.params.train.max_checkpoints_to_keep)
+        return self._restored
 
     def _build_training(self) -> None:
         tp = self.params.train
@@ -105,7 +147,6 @@ class Controller:
         self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.learner.optimizer,
                                               global_step=self.learner.global_step,
                                               train_iterator=self.train_iterator)
-        self.manager = checkpoints.make_manager(self.checkpoint, self.logdir, tp.max_checkpoints_to_keep)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
@@ -113,12 +154,18 @@ class Controller:
     def _save(self, step: int) -> None:
         if not self.layout.is_chief:
             return
+        bad = [name for name, b in zip(self.learner.gradient_names(), self.learner.nonfinite_variables().numpy()) if b]
+        if bad:
+            # Finite gradients can still make a non-finite update (a learning rate of 1e30): such variables are
+            # never saved, so every checkpoint on disk is a good state to resume from.
+            raise TrainingError(f"the variables {_names(bad)} are non-finite after the update of step {step} (its "
+                                f"gradients were finite); not saved, so {self._last_checkpoint()} is the last good "
+                                "state; lower the learning rate or clip gradients (train.clip_gradient_norm)")
         try:
             self.manager.save(checkpoint_number=step)
         except (OSError, tf.errors.OpError) as e:
-            latest = checkpoints.checkpoint_paths(self.logdir)
             raise TrainingError(f"could not write the checkpoint of step {step} ({' '.join(str(e).split())[:200]}); "
-                                f"the previous checkpoint {latest[-1] if latest else '(none)'} is intact; free disk "
+                                f"the previous checkpoint {self._last_checkpoint()} is intact; free disk "
                                 "space and run again to resume from it") from None
 
     def train(self, evaluate_every: int | None = None) -> dict[str, float]:
@@ -126,12 +173,13 @@ class Controller:
 
         `evaluate_every` (train_and_eval): evaluate every that many steps and at the end; 0 only at the end.
         """
-        self._build_training()
+        if self.manager is None:  # the trainer normally restored already, under the logdir's lock
+            self.restore()
+        restored = self._restored
         tp = self.params.train
         done_path = os.path.join(self.logdir, DONE_FILE)
         if self.layout.is_chief and os.path.exists(done_path):
             os.remove(done_path)
-        restored = checkpoints.restore_latest(self.checkpoint, self.logdir, warn=self.log)
         # Every worker continues from the chief's state, whether or not it could read the checkpoint itself.
         self.layout.broadcast_from_chief([*self.task.variables, *self.learner.optimizer.variables,
                                           self.learner.global_step])
@@ -206,23 +254,27 @@ class Controller:
                          else "a signal to another worker")
                 saved = "checkpoint saved" if self.layout.is_chief else "the chief saved a checkpoint"
                 self.log(f"stopped by {cause} at step {step}; {saved}, run again to resume")
-                return {k: float(v) for k, v in metrics.items()}
+                return {k: float(v) for k, v in metrics.items() if k != "nonfinite_gradients"}
         if evaluate_every is not None and self.layout.is_chief:
             self._evaluate_current(step)
         self._mark_done(step)
-        return {k: float(v) for k, v in metrics.items()}
+        return {k: float(v) for k, v in metrics.items() if k != "nonfinite_gradients"}
 
     def _nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
-        index = int(metrics["first_bad_gradient"])
-        what = f"gradient of {self.learner.gradient_names()[index]}" if index >= 0 else "loss"
+        bad = [name for name, b in zip(self.learner.gradient_names(), metrics["nonfinite_gradients"].numpy()) if b]
+        what = f"the gradients of {_names(bad)}" if bad else "the loss (every gradient is finite)"
         if self.params.train.skip_nonfinite_steps:
             self.log(f"warning: non-finite {what} at step {step}; update skipped (train.skip_nonfinite_steps)")
             return
-        latest = checkpoints.checkpoint_paths(self.logdir)
-        raise TrainingError(f"non-finite loss or gradient at step {step}, first in the {what}; stopped before "
-                            f"updating, so {latest[-1] if latest else 'no checkpoint'} is the last good state; lower "
+        raise TrainingError(f"non-finite loss or gradient at step {step}, in {what}; stopped before "
+                            f"updating, so {self._last_checkpoint()} is the last good state; lower "
                             "the learning rate, clip gradients (train.clip_gradient_norm) or set "
                             "--params=train.skip_nonfinite_steps=True")
+
+    def _last_checkpoint(self) -> str:
+        """The newest checkpoint this run saved or resumed from: one it knows to be finite and complete."""
+        saved = self.manager.latest_checkpoint if self.manager is not None else None
+        return saved or self._restored or "no checkpoint"
 
     def _mark_done(self, step: int) -> None:
         if not self.layout.is_chief:
@@ -250,7 +302,8 @@ class Controller:
                  timeout_secs: float = 3600.0) -> dict[int, dict[str, dict[str, float]]]:
         """Evaluates checkpoints on every dataset in eval.datasets; writes logdir/eval_<name>.
 
-        Without `follow`: the newest checkpoint once (or the initial weights if there is none). With `follow`:
+        Without `follow`: the newest checkpoint that restores completely, once; no checkpoint is a ConfigError
+        (a mistyped --logdir must not evaluate random weights). With `follow`:
         every checkpoint, oldest first, each exactly once, as the trainer writes them, until the trainer marks
         the run done and its last checkpoint is evaluated, or no new checkpoint appears for `timeout_secs`.
         Read-only: the evaluator never writes into the trainer's checkpoint directory.
@@ -261,28 +314,59 @@ class Controller:
         if not follow:
             path = checkpoints.restore_latest(checkpoint, self.logdir, partial=True, warn=self.log)
             if path is None:
-                self.log(f"no checkpoint in {checkpoints.checkpoint_dir(self.logdir)}: evaluating initial weights")
+                raise ConfigError(f"no checkpoint in {checkpoints.checkpoint_dir(self.logdir)} to evaluate; check "
+                                  "--logdir, or train first (or drop --eval_once to wait for the trainer's "
+                                  "checkpoints)")
+            self._check_eval_dirs_writable()
             step = int(global_step.numpy())
             results[step] = self._evaluate_current(step)
             return results
         last_new = time.time()
+        waiting = False
+        unreadable: set[str] = set()
         while True:
             pending = [p for p in checkpoints.checkpoint_paths(self.logdir) if checkpoints.step_of(p) not in results]
+            progressed = False
             for path in pending:
-                try:
-                    checkpoints.restore(checkpoint, path, partial=True)
-                except (tf.errors.NotFoundError, tf.errors.DataLossError):
-                    continue  # deleted by the trainer's max_checkpoints_to_keep, or still being written
+                if path in unreadable:
+                    continue
+                reason = checkpoints.unreadable_reason(path)
+                if reason is None:
+                    try:
+                        checkpoints.restore(checkpoint, path, partial=True)
+                    except tf.errors.OpError as e:
+                        reason = " ".join(str(e).split())[:300]
+                if reason is not None:
+                    if os.path.exists(path + ".index"):  # not merely deleted by max_checkpoints_to_keep
+                        self.log(f"warning: checkpoint {path} is unreadable ({reason}); not evaluated")
+                        unreadable.add(path)
+                    continue
+                if not results:  # only now: following a mistyped --logdir must not create it
+                    self._check_eval_dirs_writable()
                 results[checkpoints.step_of(path)] = self._evaluate_current(checkpoints.step_of(path))
                 last_new = time.time()
+                progressed = True
             done = self._done_step()
-            if done is not None and done in results:
+            if done is not None and (done in results or os.path.join(
+                    checkpoints.checkpoint_dir(self.logdir), f"ckpt-{done}") in unreadable):
                 return results
+            if not progressed and not waiting:
+                left = timeout_secs - (time.time() - last_new)
+                self.log(f"waiting for a new checkpoint in {checkpoints.checkpoint_dir(self.logdir)} (evaluated "
+                         f"so far: {sorted(results) or 'none'}; the evaluator stops when the trainer writes "
+                         f"{DONE_FILE} or after {max(left, 0):.0f} s more without one; --eval_timeout_secs)")
+                waiting = True
             if time.time() - last_new > timeout_secs:
                 self.log(f"no new checkpoint for {timeout_secs:.0f} s; evaluator stops")
                 return results
-            if not pending:
+            if not progressed:
                 time.sleep(poll_secs)
+            else:
+                waiting = False
+
+    def _check_eval_dirs_writable(self) -> None:
+        for name in self.params.eval.datasets:
+            logdir_lib.check_writable(os.path.join(self.logdir, f"eval_{name}"), what="evaluation summaries")
 
     def _done_step(self) -> int | None:
         path = os.path.join(self.logdir, DONE_FILE)

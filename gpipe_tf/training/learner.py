@@ -41,11 +41,28 @@ def training_params() -> Params:
     return p
 
 
+# train.* counts and their smallest allowed values.
+_MINIMUM = {"max_steps": 1, "save_interval_steps": 1, "max_checkpoints_to_keep": 1, "summary_interval_steps": 1,
+            "log_interval_steps": 1, "eval_interval_steps": 0, "num_replicas": 1}
+
+
+def check_training_params(tp: Params) -> None:
+    """Raises ParamsError naming the first train.* count below its minimum (e.g. save_interval_steps=0)."""
+    for name, minimum in _MINIMUM.items():
+        value = tp.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ParamsError(f"train.{name}={value!r} must be an integer >= {minimum}; set "
+                              f"--params=train.{name}=N with N >= {minimum}")
+    if not tp.learning_rate >= 0.0:
+        raise ParamsError(f"train.learning_rate={tp.learning_rate!r} must be >= 0")
+
+
 class Learner(tf.Module):
     """Owns the global step, optimizer and schedule for one task; `train_step` is one `tf.function` step."""
 
     def __init__(self, task: BaseTask, train_params: Params, layout: ReplicaLayout | None = None) -> None:
         super().__init__(name="learner")
+        check_training_params(train_params)
         self.task = task
         self.tp = train_params
         self.layout = layout or ReplicaLayout()
@@ -75,12 +92,11 @@ class Learner(tf.Module):
         seed = tf.stack([tf.constant(self.tp.seed, tf.int64), step])
         loss, metrics, grads, aux, stop = self._loss_and_gradients(batch, seed, stop_requested)
         # A NaN/Inf loss or gradient must not reach the variables: the update is skipped and the step reports
-        # which gradient went bad first (-1: only the loss), so the controller can stop or go on.
+        # every non-finite gradient (a mask in variable order, not a "first" that depends on which check ran
+        # first), so the controller can stop or go on with a deterministic message.
         finite = [tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
         grads_ok = tf.stack(finite) if finite else tf.ones([0], tf.bool)
         all_finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(loss)), tf.reduce_all(grads_ok))
-        first_bad = tf.cond(tf.reduce_all(grads_ok), lambda: tf.constant(-1, tf.int64),
-                            lambda: tf.argmin(tf.cast(grads_ok, tf.int64), output_type=tf.int64))
         grads, grad_norm = optimizers.clip_by_global_norm(grads, self.tp.clip_gradient_norm)
         lr = self.learning_rate(step)
 
@@ -96,7 +112,7 @@ class Learner(tf.Module):
         out = {name: tf.cast(value, tf.float32) for name, (value, _) in metrics.items()}
         out.update(loss=tf.cast(loss, tf.float32), grad_norm=tf.cast(grad_norm, tf.float32), learning_rate=lr,
                    var_norm=tf.cast(tf.linalg.global_norm(self.variables_to_train), tf.float32),
-                   nonfinite=tf.logical_not(all_finite), first_bad_gradient=first_bad, stop=stop)
+                   nonfinite=tf.logical_not(all_finite), nonfinite_gradients=tf.logical_not(grads_ok), stop=stop)
         return out
 
     def _loss_and_gradients(self, batch: Mapping[str, tf.Tensor], seed: tf.Tensor, stop: tf.Tensor
@@ -153,5 +169,10 @@ class Learner(tf.Module):
         return loss, metrics, reduced, aux, sums[-1] > 0
 
     def gradient_names(self) -> list[str]:
-        """Names of the trained variables, in the order `first_bad_gradient` indexes."""
-        return [v.name for v in self.variables_to_train]
+        """Names of the trained variables (without ':0'), in the order of the `nonfinite_gradients` mask."""
+        return [v.name.rsplit(":", 1)[0] for v in self.variables_to_train]
+
+    @tf.function
+    def nonfinite_variables(self) -> tf.Tensor:
+        """A mask over `variables_to_train`: True where a variable holds a NaN or Inf."""
+        return tf.stack([tf.logical_not(tf.reduce_all(tf.math.is_finite(v))) for v in self.variables_to_train])

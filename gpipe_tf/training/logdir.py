@@ -1,7 +1,9 @@
 """The run directory: created and checked before any work, holding the resolved Params of its model.
 
-A logdir belongs to one model: a second run may change training settings (max_steps, learning rate) but not
-the model key or the task's Params (shapes), since its checkpoints could not be restored into another model.
+A logdir with checkpoints belongs to one model: a second run may change training settings (max_steps, learning
+rate, logging) and the pipeline's layout (MATH_NEUTRAL_FIELDS: K, M, balance, schedule, remat, devices), but not
+the model key or any other task Params, since its checkpoints would not restore into another model, nor the
+training batch size, since the checkpointed input position counts batches of the old size.
 """
 
 from __future__ import annotations
@@ -15,16 +17,35 @@ from gpipe_tf.hyperparams import Params, ParamsError
 PARAMS_FILE = "params.txt"
 CHECKPOINT_DIR = "checkpoints"
 
+# Task fields (matched by their last name, anywhere in the task tree) that change how the pipeline computes, not
+# what: checkpoints hold every layer under its global index whatever the stage, and a pipeline without batch norm
+# gives the same loss and gradients for any K and M (with batch norm, M changes the micro-batch statistics, as in
+# GPipe). A new pipeline field that leaves the math unchanged belongs here, so that runs may resume with it changed.
+MATH_NEUTRAL_FIELDS = frozenset({
+    "num_stages", "num_micro_batches", "balance", "balance_by", "micro_batch_shape", "input_dtype", "remat",
+    "device_kind", "devices", "schedule", "input_gradients", "parallel_iterations",
+})
+# Fields of the resolved tree that the checkpointed input position depends on: changing one on resume is refused.
+INPUT_STREAM_FIELDS = ("input.train.batch_size",)
 
-def check_writable(logdir: str) -> None:
-    """Creates `logdir` if needed and checks a file can be written there; ConfigError otherwise."""
+
+def check_writable(logdir: str, what: str = "--logdir") -> None:
+    """Creates `logdir` if needed and checks 4 KiB can be written there (a full disk fails); ConfigError otherwise."""
     try:
         os.makedirs(logdir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".write_test"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=logdir, prefix=".write_test") as f:
+            f.write(b"x" * 4096)  # a block: a disk too full for one fails here, not mid-run
+            f.flush()
     except OSError as e:
-        raise ConfigError(f"cannot write to --logdir={logdir!r} ({e.strerror or e}); "
-                          "pass a directory you can write to") from None
+        shown = f"--logdir={logdir!r}" if what == "--logdir" else f"{logdir!r} ({what})"
+        raise ConfigError(f"cannot write to {shown}: {e.strerror or e}; free disk space, or pass a directory "
+                          "you can write to") from None
+
+
+def _is_math_neutral(diff_line: str) -> bool:
+    """Whether a Params.diff line ('a.b.c: x -> y') is about a MATH_NEUTRAL_FIELDS field."""
+    path = diff_line.split(": ", 1)[0].removeprefix("only in self").removeprefix("only in other").strip(": ")
+    return path.rsplit(".", 1)[-1].split("[", 1)[0] in MATH_NEUTRAL_FIELDS
 
 
 def _incompatible_fields(old: Params, new: Params) -> list[str]:
@@ -32,18 +53,39 @@ def _incompatible_fields(old: Params, new: Params) -> list[str]:
     if old.get("model") != new.get("model"):
         lines.append(f"model: {old.get('model')} -> {new.get('model')}")
     if "task" in old and "task" in new:
-        lines += [f"task.{line}" for line in old.get("task").diff(new.get("task"))]
+        lines += [f"task.{line}" for line in old.get("task").diff(new.get("task")) if not _is_math_neutral(line)]
     return lines
 
 
-def check_compatible(logdir: str, params: Params) -> None:
-    """Refuses a logdir whose saved Params belong to another model or another task shape."""
+def _changed_input_stream(old: Params, new: Params) -> list[str]:
+    lines = []
+    for field in INPUT_STREAM_FIELDS:
+        before, after = _get_or_none(old, field), _get_or_none(new, field)
+        if before != after:
+            lines.append(f"{field}: {before} -> {after}")
+    return lines
+
+
+def _get_or_none(params: Params, path: str) -> object:
+    try:
+        return params.get(path)
+    except (ParamsError, AttributeError, KeyError):
+        return None
+
+
+def _has_checkpoints(logdir: str) -> bool:
+    directory = os.path.join(logdir, CHECKPOINT_DIR)
+    return os.path.isdir(directory) and any(name.startswith("ckpt-") for name in os.listdir(directory))
+
+
+def check_compatible(logdir: str, params: Params, training: bool = False) -> None:
+    """Refuses a logdir whose checkpoints belong to another model or task shape (or, when `training`, to another
+    training batch size). Reads only; a logdir without checkpoints accepts any Params (nothing there to lose)."""
     path = os.path.join(logdir, PARAMS_FILE)
+    if not _has_checkpoints(logdir):
+        return
     if not os.path.exists(path):
-        has_ckpt = os.path.isdir(os.path.join(logdir, CHECKPOINT_DIR)) and os.listdir(
-            os.path.join(logdir, CHECKPOINT_DIR))
-        if has_ckpt:
-            raise ConfigError(f"--logdir={logdir!r} holds checkpoints but no {PARAMS_FILE}, so they cannot be "
+        raise ConfigError(f"--logdir={logdir!r} holds checkpoints but no {PARAMS_FILE}, so they cannot be "
                               "checked against this model; use a new --logdir")
         return
     with open(path, encoding="utf-8") as f:
@@ -57,19 +99,34 @@ def check_compatible(logdir: str, params: Params) -> None:
         shown = "; ".join(differences[:5]) + (f"; ... {len(differences) - 5} more" if len(differences) > 5 else "")
         raise ConfigError(f"--logdir={logdir!r} holds another model's run ({shown}); use a new --logdir or "
                           "the same model settings")
+    changed = _changed_input_stream(old, params) if training else []
+    if changed:
+        raise ConfigError(f"--logdir={logdir!r} holds checkpoints whose input position counts batches of the old "
+                          f"size ({'; '.join(changed)}); resume with the same batch size, or use a new --logdir")
+
+
+def write_text(logdir: str, name: str, text: str) -> None:
+    """Writes logdir/name atomically (a crash never leaves half a file); a full disk is a one-line ConfigError."""
+    path = os.path.join(logdir, name)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}; free disk space, or pass a directory you can "
+                          "write to") from None
 
 
 def write_params(logdir: str, params: Params) -> None:
-    """Writes the resolved Params to logdir/params.txt atomically (a crash never leaves half a file)."""
-    path = os.path.join(logdir, PARAMS_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(params.to_text())
-    os.replace(tmp, path)
+    """Writes the resolved Params to logdir/params.txt atomically."""
+    write_text(logdir, PARAMS_FILE, params.to_text())
 
 
 def prepare(logdir: str, params: Params) -> None:
     """Checks the logdir can be written and belongs to this model, then records the Params."""
     check_writable(logdir)
-    check_compatible(logdir, params)
+    check_compatible(logdir, params, training=True)
     write_params(logdir, params)

@@ -50,10 +50,12 @@ class NumbersTiny(Experiment):
             name="translation", dtype=self.dtype, vocab_size=self.vocab_size, model_dim=self.model_dim,
             num_heads=self.num_heads, hidden_dim=self.hidden_dim, num_encoder_layers=self.num_encoder_layers,
             num_decoder_layers=self.num_decoder_layers, share_embeddings=self.share_embeddings,
-            dropout_rate=self.dropout_rate, label_smoothing=self.label_smoothing, num_stages=self.num_stages,
-            num_micro_batches=self.num_micro_batches, remat=self.remat, schedule=self.schedule)
-        # Spelled out in the tree so that inspect and --params (task.network.num_stages=...) see the pipeline.
-        p.network = TranslationTask.network_params(p)
+            dropout_rate=self.dropout_rate, label_smoothing=self.label_smoothing)
+        # Spelled out in the tree, the pipeline's only home, so that inspect and --params
+        # (task.network.num_stages=...) see it.
+        p.network = TranslationTask.network_params(
+            p, num_stages=self.num_stages, num_micro_batches=self.num_micro_batches, remat=self.remat,
+            schedule=self.schedule)
         return p
 
     def _input(self, split: str, num_batches: int | None) -> InstantiableParams:

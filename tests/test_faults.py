@@ -231,7 +231,7 @@ def test_pipeline_layout_changes_across_resumes_match_one_uninterrupted_run(tmp_
         (4, ["--gin_param=BlobsMlpGPipe.num_stages=2", "--gin_param=BlobsMlpGPipe.num_micro_batches=4"], None),
         (8, ["--gin_param=BlobsMlpGPipe.num_stages=1", "--gin_param=BlobsMlpGPipe.num_micro_batches=4"], None),
         (12, ["--gin_param=BlobsMlpGPipe.num_stages=4", "--gin_param=BlobsMlpGPipe.num_micro_batches=2",
-              "--gin_param=BlobsMlpGPipe.remat='never'"], "task.network.schedule='loop'"),
+              "--gin_param=BlobsMlpGPipe.remat='never'"], "task.network.schedule='fill_drain'"),
     ]
     for max_steps, knobs, extra in segments:
         params = every_4 + ("," + extra if extra else "")

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     with workers.LocalWorkers(2) as cluster:
         devices = workers.connect(cluster.spec)
         x = tf.constant(np.random.default_rng(0).normal(size=(8, 5)))
-        for schedule in ("unrolled", "loop"):
+        for schedule in ("unrolled", "fill_drain"):
             pipe = GPipe.params().set(name="net", dtype="float64", layers=layers(), num_stages=2,
                                       num_micro_batches=4, remat="always", devices=devices,
                                       schedule=schedule).instantiate()

@@ -1,22 +1,18 @@
 """The GPipe layer: a layer sequence split into K stages on K devices, run over M micro-batches.
 
-Schedule (one `tf.function` step, the graph independent of M):
+The layer partitions its layers (explicit balance or balanced by a cost), builds each stage's layers on the
+stage's device, and hands one mini-batch at a time to a schedule. Two schedules build GPipe's fill-drain order;
+both keep every stage's weights, weight-gradient sums, stashes and recomputation on the stage's device and send
+only stage-boundary activations and their gradients between devices:
 
-* Forward: one `tf.while_loop` over micro-batches. Its body runs stage 0, 1, ..., K-1 on micro-batch i, each
-  stage under its own device and name scope. The loop's iterations may overlap (`parallel_iterations`), so while
-  stage 1 works on micro-batch i, stage 0 already works on i+1: the fill-drain pipeline, with no Python-unrolled
-  M x K graph. Stage boundaries are plain Python values inside the body, so a stage may return any nested
-  structure of any shapes and dtypes.
-* Backward: the gradient of that loop is a second loop that runs after the whole forward loop (GPipe's order:
-  all forwards, then all backwards, micro-batches in reverse). It sums each weight's gradient over micro-batches
-  in loop state: one running sum per stage, never M partial gradients at once.
-* Rematerialization: a stage under `tf.recompute_grad` keeps only its input per micro-batch across the forward
-  pass and recomputes its activations in the backward loop.
-* Placement: weights are read once per step on their stage's device and enter the loop as tensors; the task's
-  `tape.gradient` runs under `placement.colocate_gradients()`, so each stage's backward (and its running sum)
-  stays on the stage's device.
-* Randomness: micro-batch i runs with the step's seed folded with i; each layer folds in its own id, derived
-  from its global index in the sequence, so masks do not depend on K and recomputation repeats them.
+* ``fill_drain`` (`fill_drain.py`): one while loop over micro-batches and TensorFlow's gradient of it; graph and
+  trace time constant in M.
+* ``unrolled`` (`unrolled_scheduler.py`): every (stage, micro-batch) step is its own op group with an explicit
+  backward order; the graph grows with M, but on single-thread TF workers its backward overlaps the stages
+  better (README "How the pipeline works" has the figures).
+
+Randomness: micro-batch i runs with the step's seed folded with i; each layer folds in its own id, derived from
+its global index in the sequence, so masks do not depend on K and recomputation repeats them.
 """
 
 from __future__ import annotations
@@ -25,13 +21,13 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import loop_scheduler, microbatch, partition, placement, remat, unrolled_scheduler
+from gpipe_tf.gpipe import fill_drain, microbatch, partition, placement, remat, unrolled_scheduler
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.sequential import Sequential
 
 
-SCHEDULERS = {"unrolled": unrolled_scheduler.run, "loop": loop_scheduler.run}
+SCHEDULERS = {"unrolled": unrolled_scheduler.run, "fill_drain": fill_drain.run}
 
 
 class GPipe(BaseLayer):
@@ -59,13 +55,13 @@ class GPipe(BaseLayer):
         p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "
                  "overrides device_kind.")
         p.define("schedule", "unrolled", f"How the fill-drain schedule is built: one of {tuple(SCHEDULERS)}. "
-                 "'unrolled': every (stage, micro-batch) step is its own placed op group with an explicit backward "
-                 "order; fastest across devices, graph grows with M. 'loop': a while loop over micro-batches; "
-                 "graph constant in M, but the loop's state (weight-gradient sums) lives on one device.")
-        p.define("input_gradients", "auto", "schedule='unrolled': compute the gradient of the pipeline's input? "
-                 "'auto': only if the input is computed from variables (a data batch needs none); True when you "
-                 "watch the input yourself (e.g. saliency maps).")
-        p.define("parallel_iterations", 0, "schedule='loop': micro-batches in flight at once; 0: K.")
+                 "'fill_drain': one while loop over micro-batches, graph and trace time constant in M (use it for "
+                 "large M or deep stacks). 'unrolled': every (stage, micro-batch) step is its own op group; faster "
+                 "backward across worker processes, but the graph grows with M.")
+        p.define("input_gradients", "auto", "Compute the gradient of the pipeline's input? 'auto': only if the "
+                 "input is computed from variables (a data batch needs none); True when you watch the input "
+                 "yourself (e.g. saliency maps).")
+        p.define("parallel_iterations", 0, "schedule='fill_drain': micro-batches in flight at once; 0: K.")
         return p
 
     def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
@@ -113,7 +109,7 @@ class GPipe(BaseLayer):
         replica_sums: list[list[list[tf.Variable]]] = []
         # object.__setattr__ bypasses checkpoint tracking; the ignored-properties set hides them from .variables.
         object.__setattr__(self, "replica_gradient_sums", replica_sums)
-        if p.schedule == "unrolled":
+        if p.schedule in SCHEDULERS:
             for r, devices in enumerate(self.replica_devices):
                 sums = []
                 for stage, names in enumerate(self.stage_layers):

@@ -149,16 +149,49 @@ def on_stage(token: str) -> Iterator[None]:
         yield
 
 
+_LOOP_OPS = ("While", "StatelessWhile")
+
+
+def loop_device(default: str):
+    """A device function for building a while loop whose state stays on each stage's device.
+
+    TensorFlow places every node of a lowered while loop on the While op's own device when it has one, so all loop
+    state (e.g. weight-gradient sums) would travel to that device and back each iteration. Without a device, each
+    loop variable stays where its initial value lives. So: no device for the While op, its stage's device for an op
+    built under a stage's name scope, and `default` (e.g. for the loop counter) otherwise.
+    """
+    def device(op: tf.Operation) -> str:
+        if op.type in _LOOP_OPS:
+            return ""
+        return op.device or _stage_device(op) or default
+    return device
+
+
+def _stage_device(op: tf.Operation) -> str:
+    tokens = _SCOPE_RE.findall(op.name)
+    return _SCOPE_DEVICES.get(tokens[-1], "") if tokens else ""
+
+
 def _gradient_device(op: tf.Operation) -> str:
+    if op.type in _LOOP_OPS:
+        return ""  # see loop_device
     if op.device:
         return op.device
     tokens = _SCOPE_RE.findall(op.name)
     if tokens:
         return _SCOPE_DEVICES.get(tokens[-1], "")
     for tensor in op.inputs:
-        if tensor.op.device:
-            return tensor.op.device
+        device = _tensor_device(tensor)
+        if device:
+            return device
     return ""
+
+
+def _tensor_device(tensor: tf.Tensor) -> str:
+    """Where `tensor` lives; a while loop's output lives where its loop variable started (see loop_device)."""
+    while tensor.op.type in _LOOP_OPS and not tensor.op.device:
+        tensor = tensor.op.inputs[tensor.value_index]
+    return tensor.op.device
 
 
 @contextlib.contextmanager
@@ -167,5 +200,24 @@ def colocate_gradients() -> Iterator[None]:
     if tf.executing_eagerly():
         yield
         return
-    with tf.compat.v1.get_default_graph().device(_gradient_device):
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    with graph.device(_gradient_device):
         yield
+    for op in graph.get_operations()[start:]:
+        if op.type in _LOOP_OPS and not op.device:
+            _place_loop_initial_values(op)
+
+
+def _place_loop_initial_values(loop: tf.Operation) -> None:
+    """Puts unplaced initial values of a gradient loop's variables (e.g. the zeros that start a weight-gradient
+    sum) on the device that uses them in the loop body, so the loop variable lives there (see loop_device)."""
+    body = getattr(loop, "_body_graph", None)
+    if body is None:
+        return
+    for j, value in enumerate(loop.inputs):
+        if value.op.device or value.op.inputs and any(_tensor_device(t) for t in value.op.inputs):
+            continue
+        users = [c.device for c in body.inputs[j].consumers() if c.device]
+        if users:
+            value.op._set_device(users[0])  # pylint: disable=protected-access

@@ -103,8 +103,8 @@ class AmoebaNetTinyOffline(AmoebaNetBase):
     batch_size = 32
     logical_devices = 2
     remat = "always"
-    # Logical CPUs share one thread pool; the loop schedule's constant graph compiles fastest there.
-    schedule = "loop"
+    # The fill-drain loop's graph is constant in M: it compiles fastest on the shared thread pool of logical CPUs.
+    schedule = "fill_drain"
     dropout_rate = 0.0
     label_smoothing = 0.0
     # Measured here: 1500 steps reach 99.4% test accuracy (chance 10%) in under 5 minutes on 2 cores.

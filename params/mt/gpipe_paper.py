@@ -60,7 +60,7 @@ class _MultilingualLadder(NumbersTiny):
     num_stages = 1
     num_micro_batches = 1
     remat = "always"
-    schedule = "loop"
+    schedule = "fill_drain"
     dtype = "float32"
     logical_devices = None
 
@@ -210,7 +210,7 @@ class _TransformerL(TfdsLanguageModelInputs, NumbersTiny):
     num_stages = 1
     num_micro_batches = 1
     remat = "never"
-    schedule = "loop"
+    schedule = "fill_drain"
     dtype = "float32"
     logical_devices = None
 

@@ -200,24 +200,5 @@ def colocate_gradients() -> Iterator[None]:
     if tf.executing_eagerly():
         yield
         return
-    graph = tf.compat.v1.get_default_graph()
-    start = len(graph.get_operations())
-    with graph.device(_gradient_device):
+    with tf.compat.v1.get_default_graph().device(_gradient_device):
         yield
-    for op in graph.get_operations()[start:]:
-        if op.type in _LOOP_OPS and not op.device:
-            _place_loop_initial_values(op)
-
-
-def _place_loop_initial_values(loop: tf.Operation) -> None:
-    """Puts unplaced initial values of a gradient loop's variables (e.g. the zeros that start a weight-gradient
-    sum) on the device that uses them in the loop body, so the loop variable lives there (see loop_device)."""
-    body = getattr(loop, "_body_graph", None)
-    if body is None:
-        return
-    for j, value in enumerate(loop.inputs):
-        if value.op.device or value.op.inputs and any(_tensor_device(t) for t in value.op.inputs):
-            continue
-        users = [c.device for c in body.inputs[j].consumers() if c.device]
-        if users:
-            value.op._set_device(users[0])  # pylint: disable=protected-access

@@ -21,6 +21,10 @@ from absl import app, flags, logging
 
 # TensorFlow's C++ INFO lines (oneDNN, CPU features) bury the progress lines; warnings and errors still show.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+# TensorFlow's BFC allocator on CPU: without it (e.g. CPUs without AVX-512, where oneDNN is off) the CPU allocator
+# keeps no statistics, get_memory_info raises, and the memory/peak_mb/* summaries would be missing. Must be set
+# before TensorFlow starts.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 if TYPE_CHECKING:  # imported lazily at run time: --help and --list_models stay fast
     from gpipe_tf.hyperparams import Params

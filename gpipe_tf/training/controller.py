@@ -70,7 +70,8 @@ def _memory_scalars() -> dict[str, float]:
     """Peak memory of each local device TensorFlow reports it for (remote devices do not)."""
     out = {}
     for device in tf.config.list_logical_devices():
-        if device.name.startswith("/job:localhost"):
+        # Local devices are named "/device:CPU:0" (or "/job:localhost/..."); remote ones cannot report.
+        if not device.name.startswith("/job:") or device.name.startswith("/job:localhost"):
             try:
                 out[f"memory/peak_mb/{device.device_type}:{device.name.rsplit(':', 1)[1]}"] = (
                     tf.config.experimental.get_memory_info(device.name)["peak"] / 2 ** 20)

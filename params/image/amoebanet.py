@@ -2,7 +2,7 @@
 
 Each is a `ClassifierTask` whose network is a `GPipe` layer over the AmoebaNet layer list (stem, cells, pooled
 head); the softmax layer does the head's fully connected step. Sizes follow the papers' (N, F) notation: 3N normal
-cells, F filters in the first stack ([TPU] rules, ../shared/facts/paper_facts.md). Optimizer: RMSProp with decay
+cells, F filters in the first stack (the TPU reference implementation's rules). Optimizer: RMSProp with decay
 0.9 and epsilon 0.1 as in [AMB].
 """
 

@@ -30,11 +30,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 TRANSFORMER = dict(layers=8, model_dim=512, heads=8, ffn=2048, seq=64, batch=32)
-MLP = dict(layers=16, width=2048, batch=512)
+# Workload (b), activation-dominated as in the GPipe paper's O(N + L/K x N/M) argument: per-layer activations
+# 32 MiB, weights 4 MiB.
+MLP = dict(layers=32, width=1024, batch=8192)
+# Weight-heavy: 16 MiB of weights per layer, tiny activations; what a schedule that moved weights or their
+# gradient sums between devices would pay for.
+HEAVY = dict(layers=16, width=2048, batch=16)
 
 
 def layer_params(workload: str) -> tuple[list[Any], list[int]]:
-    """The workload's layer Params and the shape of its input batch."""
+    """The workload's layer Params and the shape of its input batch: 'transformer', 'mlp' or 'heavy'."""
     if workload == "transformer":
         from gpipe_tf.layers.transformer import TransformerEncoderLayer
         w = TRANSFORMER
@@ -42,7 +47,7 @@ def layer_params(workload: str) -> tuple[list[Any], list[int]]:
                                                        hidden_dim=w["ffn"]) for _ in range(w["layers"])]
         return layers, [w["batch"], w["seq"], w["model_dim"]]
     from gpipe_tf.layers.linear import Linear
-    w = MLP
+    w = HEAVY if workload == "heavy" else MLP
     layers = [Linear.params().set(input_dim=w["width"], output_dim=w["width"], activation="relu")
               for _ in range(w["layers"])]
     return layers, [w["batch"], w["width"]]
@@ -110,13 +115,17 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from gpipe_tf import workers
 
+    schedules = ("unrolled", "fill_drain")
     if args.quick:
-        configs = [(1, 1, "never"), (1, 1, "always"), (1, 8, "never"), (1, 8, "always"), (2, 8, "never"),
-                   (2, 8, "always")]
+        configs = [("transformer", 1, m, r, "unrolled") for m in (1, 8) for r in ("never", "always")]
+        configs += [("transformer", 2, 8, r, sch) for r in ("never", "always") for sch in schedules]
         compile_ms = [4, 32]
     else:
-        configs = [(k, m, r) for r in ("never", "always") for k in (1, 2) for m in (1, 2, 4, 8)]
+        configs = [("transformer", k, m, r, "unrolled") for r in ("never", "always") for k in (1, 2)
+                   for m in (1, 2, 4, 8)]
+        configs += [("transformer", 2, m, r, "fill_drain") for r in ("never", "always") for m in (1, 2, 4, 8)]
         compile_ms = [4, 8, 16, 32]
+    configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
     rows = []
     with workers.LocalWorkers(2) as cluster:
         devices = workers.connect(cluster.spec)
@@ -125,9 +134,10 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
         steps: dict[tuple, Any] = {}
         compile_s: dict[tuple, float] = {}
         for config in configs:
-            step, x, flops = build_step("transformer", *config, devices)
+            workload, k, m, remat, schedule = config
+            step, x, flops = build_step(workload, k, m, remat, devices, schedule)
             start = time.perf_counter()
-            with tf.device(devices[config[0] - 1]):
+            with tf.device(devices[k - 1]):
                 step(x).numpy()
             compile_s[config] = time.perf_counter() - start
             steps[config] = (step, x, flops)
@@ -135,23 +145,25 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
         times: dict[tuple, list[float]] = {c: [] for c in configs}
         for repeat in range(args.repeats):
             for config, (step, x, _) in steps.items():
-                with tf.device(devices[config[0] - 1]):
+                with tf.device(devices[config[1] - 1]):
                     for _ in range(args.steps):
                         start = time.perf_counter()
                         step(x).numpy()
                         times[config].append(time.perf_counter() - start)
             print(f"# repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
         median = {c: statistics.median(t) for c, t in times.items()}
-        base = median[(1, 1, "never")]
-        for (k, m, remat), t in median.items():
-            same_m = median.get((1, m, remat))
+        base = median[("transformer", 1, 1, "never", "unrolled")]
+        for (workload, k, m, remat, schedule), t in median.items():
+            same_m = median.get((workload, 1, m, remat, "unrolled"))
+            no_remat = median.get((workload, k, m, "never", schedule))
             rows.append(dict(
-                workload="transformer", schedule="unrolled", k=k, m=m, remat=remat, step_time_s=round(t, 4),
-                efficiency=round(base / (k * t), 3), efficiency_same_m=round(same_m / (k * t), 3) if same_m else None,
+                workload=workload, schedule=schedule, k=k, m=m, remat=remat, step_time_s=round(t, 4),
+                efficiency=round(base / (k * t), 3) if workload == "transformer" else None,
+                efficiency_same_m=round(same_m / (k * t), 3) if same_m else None,
                 efficiency_bound=round(m / (m + k - 1), 3),
-                remat_cost=round(t / median[(k, m, "never")], 3) if (k, m, "never") in median else None,
-                peak_memory_mb=None, compile_s=round(compile_s[(k, m, remat)], 2),
-                flops_fraction=round(steps[(k, m, remat)][2] / t / (k * peak), 3)))
+                remat_cost=round(t / no_remat, 3) if no_remat else None,
+                peak_memory_mb=None, compile_s=round(compile_s[(workload, k, m, remat, schedule)], 2),
+                flops_fraction=round(steps[(workload, k, m, remat, schedule)][2] / t / (k * peak), 3)))
         # The unrolled schedule's trace grows with M (minutes at M=32), so --quick measures fill_drain only.
         for schedule in ("fill_drain",) if args.quick else ("fill_drain", "unrolled"):
             for m in compile_ms:
@@ -167,24 +179,38 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def predicted_activation_mb(k: int, m: int, remat: str) -> float:
+    """GPipe's activation memory of workload (b) (the paper's O(N + L/K x N/M)): with remat each stage keeps
+    its M stage inputs plus one micro-batch's layer outputs while it recomputes; without, every layer output of
+    every micro-batch."""
+    w = MLP
+    micro_mb = w["batch"] // m * w["width"] * 4 / 2 ** 20  # one layer output of one micro-batch
+    per_stage = w["layers"] // k
+    if remat == "always":
+        return k * (m + per_stage) * micro_mb
+    return k * m * per_stage * micro_mb
+
+
 def memory_worker(quick: bool) -> None:
-    """Runs in its own process: peak memory of one step of the MLP workload per configuration, JSON lines."""
+    """Runs in its own process: peak memory of one step of workload (b), K=2 on 2 logical CPUs, JSON lines."""
     import tensorflow as tf
 
-    configs = [(1, "never"), (8, "never")] + [(m, "always") for m in ((1, 8) if quick else (1, 2, 4, 8))]
-    weight_mb = MLP["layers"] * MLP["width"] ** 2 * 4 / 2 ** 20
+    from gpipe_tf import devices as devices_lib
+
+    devices = devices_lib.split_cpu(2)
+    configs = [(1, "never")] + [(m, "always") for m in ((8,) if quick else (2, 4, 8))]
     for m, remat in configs:
-        step, x, _ = build_step("mlp", 1, m, remat, ["/device:CPU:0"])
+        step, x, _ = build_step("mlp", 2, m, remat, devices, "fill_drain")
         step(x).numpy()
         tf.config.experimental.reset_memory_stats("CPU:0")
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
         step(x).numpy()
         peak = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2 ** 20
-        print(json.dumps(dict(workload="mlp", schedule="unrolled", k=1, m=m, remat=remat, step_time_s=None,
+        print(json.dumps(dict(workload="mlp", schedule="fill_drain", k=2, m=m, remat=remat, step_time_s=None,
                               efficiency=None, efficiency_same_m=None, efficiency_bound=None, remat_cost=None,
                               peak_memory_mb=round(peak, 1),
-                              activation_memory_mb=round(peak - weight_mb, 1), compile_s=None,
-                              flops_fraction=None)), flush=True)
+                              predicted_activation_mb=round(predicted_activation_mb(2, m, remat), 1),
+                              compile_s=None, flops_fraction=None)), flush=True)
 
 
 def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -218,6 +244,18 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     mem = {(r["m"], r["remat"]): r["peak_memory_mb"] for r in rows if r["workload"] == "mlp"}
     if (1, "never") in mem and (8, "always") in mem:
         out.append(f"peak memory remat always M=8 / no remat M=1: {mem[(8, 'always')] / mem[(1, 'never')]:.2f}")
+        remat_peaks = [mem[key] for key in sorted(k for k in mem if k[1] == "always")]
+        monotone = all(a >= b for a, b in zip(remat_peaks, remat_peaks[1:]))
+        out.append(f"peak memory with remat non-increasing in M: {monotone}")
+    step = {(r["workload"], r["k"], r["m"], r["remat"], r["schedule"]): r for r in rows if r["step_time_s"]}
+    for remat in ("never", "always"):
+        a, b = step.get(("transformer", 2, 8, remat, "fill_drain")), step.get(("transformer", 2, 8, remat, "unrolled"))
+        if a and b:
+            out.append(f"E(2,8) remat={remat}: fill_drain {a['efficiency']} vs unrolled {b['efficiency']} "
+                       f"(bound {a['efficiency_bound']})")
+    a, b = step.get(("heavy", 2, 8, "never", "fill_drain")), step.get(("heavy", 2, 8, "never", "unrolled"))
+    if a and b:
+        out.append(f"weight-heavy step fill_drain / unrolled: {a['step_time_s'] / b['step_time_s']:.2f}")
     return out
 
 

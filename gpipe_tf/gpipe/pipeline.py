@@ -109,7 +109,7 @@ class GPipe(BaseLayer):
         replica_sums: list[list[list[tf.Variable]]] = []
         # object.__setattr__ bypasses checkpoint tracking; the ignored-properties set hides them from .variables.
         object.__setattr__(self, "replica_gradient_sums", replica_sums)
-        if p.schedule == "unrolled":
+        if p.schedule in SCHEDULERS:
             for r, devices in enumerate(self.replica_devices):
                 sums = []
                 for stage, names in enumerate(self.stage_layers):

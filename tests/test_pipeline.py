@@ -216,7 +216,7 @@ def test_fill_drain_keeps_every_stage_state_on_its_device(remat, matmuls):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(layer(x))
         with placement.colocate_gradients():
-            return tape.gradient(loss, layer.trainable_variables)
+            return loss, tape.gradient(loss, layer.trainable_variables)
 
     ops = _placed_ops(step, tf.ones([BATCH, 6]))
     count = collections.Counter((device, op) for device, op, _ in ops)

@@ -10,6 +10,7 @@ configurations, so a slow moment of the machine hits all of them alike; compare 
 
   python -m bench.pipeline --quick        # reduced set, under 10 minutes on 2 cores
   python -m bench.pipeline                # everything
+  python -m bench.pipeline --skip-speed   # memory of workload (b) only
   python -m bench.pipeline --dxk          # D x K data parallelism on 4 logical CPUs (bench/data_parallel.py)
 """
 
@@ -266,6 +267,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds over all configurations")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per configuration and round")
     parser.add_argument("--skip-memory", action="store_true", help="speed only")
+    parser.add_argument("--skip-speed", action="store_true", help="memory only (one process, no workers)")
     parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dxk", action="store_true", help="D x K mode instead: throughput of D=2,K=1 / D=1,K=2 / "
                         "D=2,K=2 vs D=1,K=1 on 4 logical CPU devices (runs bench.data_parallel)")
@@ -279,7 +281,7 @@ def main() -> None:
     rows = [] if args.skip_memory else memory(args)
     for row in rows:
         print(json.dumps(row), flush=True)
-    for row in speed(args):
+    for row in [] if args.skip_speed else speed(args):
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(table(rows))

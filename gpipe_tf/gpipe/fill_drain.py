@@ -31,29 +31,15 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from gpipe_tf.gpipe import microbatch, placement, remat
+from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves, is_float, with_float_leaves
 from gpipe_tf.layers.base_layer import FPropContext
 
 
-def _is_float(t: tf.Tensor) -> bool:
-    return t.dtype.is_floating or t.dtype.is_complex
-
-
-def float_leaves(structure: Any) -> list[tf.Tensor]:
-    """The differentiable leaves of a nested structure, in order."""
-    return [t for t in tf.nest.flatten(structure) if _is_float(t)]
-
-
-def with_float_leaves(structure: Any, floats: Sequence[tf.Tensor]) -> Any:
-    """`structure` with its differentiable leaves replaced by `floats`, in order."""
-    it = iter(floats)
-    return tf.nest.pack_sequence_as(structure, [next(it) if _is_float(t) else t
-                                                for t in tf.nest.flatten(structure)])
-
-
-def stage_op(fn: Callable[[Sequence[tf.Tensor], Any], Any], weights: Sequence[tf.Tensor], sum_handles: Sequence[tf.Tensor],
-             token: tf.Tensor, inputs: Any, input_gradient: bool, recompute: bool, device: str) -> Any:
-    """Runs `fn(weights, inputs)` (one stage on one micro-batch) as an op whose gradient adds the gradients of `weights`
-    into the variables behind `sum_handles` (in place, on `device`) and returns only the input gradient.
+def stage_op(fn: Callable[[Sequence[tf.Tensor], Any], Any], weights: Sequence[tf.Tensor],
+             sum_handles: Sequence[tf.Tensor], token: tf.Tensor, inputs: Any, input_gradient: bool, recompute: bool,
+             device: str) -> Any:
+    """Runs `fn(weights, inputs)` (one stage on one micro-batch) as an op whose gradient adds the gradients of
+    `weights` into the variables behind `sum_handles` (in place, on `device`) and returns only the input gradient.
 
     `token` (a float scalar the caller watches) gets a gradient that depends on the additions by data, so that
     reading the sums after the loop's gradient sees all of them. recompute: keep nothing but `inputs`; the
@@ -111,8 +97,6 @@ def stage_op(fn: Callable[[Sequence[tf.Tensor], Any], Any], weights: Sequence[tf
 
 def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> Any:
     """Runs `pipe` (a GPipe layer) over its micro-batches in one placed while loop; see the module doc."""
-    from gpipe_tf.gpipe.unrolled_scheduler import _depends_on_variables
-
     k, m = pipe.p.num_stages, pipe.p.num_micro_batches
     devices = pipe.devices
     use_remat = [remat.stage_uses_remat(pipe.p.remat, s, k) for s in range(k)]
@@ -122,7 +106,7 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
     flat_inputs = float_leaves(inputs)
     flat_theta = [tf.nest.flatten(t) for t in stage_theta]
     wanted = pipe.p.input_gradients
-    input_gradient = _depends_on_variables(flat_inputs) if wanted == "auto" else bool(wanted)
+    input_gradient = depends_on_variables(flat_inputs) if wanted == "auto" else bool(wanted)
     size = microbatch.check_divisible(inputs, m) // m
     out_spec = pipe._output_structure(
         tf.nest.map_structure(lambda t: tf.TensorSpec([size] + t.shape[1:], t.dtype), inputs))
@@ -189,7 +173,7 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
         if aux_spec:
             result["aux"] = tf.nest.pack_sequence_as(aux_spec, state[:num_aux])
         result["out"] = flat_out
-        out_float = [t for t in flat_out if _is_float(t)]
+        out_float = [t for t in flat_out if is_float(t)]
 
         def grad_fn(*dy: tf.Tensor) -> list[tf.Tensor]:
             zeroed = []
@@ -217,4 +201,4 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
     if aux_spec:
         ctx.aux.update(result["aux"])
     floats = iter(float_out)
-    return tf.nest.pack_sequence_as(out_spec, [next(floats) if _is_float(o) else o for o in result["out"]])
+    return tf.nest.pack_sequence_as(out_spec, [next(floats) if is_float(o) else o for o in result["out"]])

@@ -24,52 +24,8 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.gpipe import microbatch, placement, remat
+from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves, is_float, with_float_leaves
 from gpipe_tf.layers.base_layer import FPropContext
-
-
-def _is_float(t: tf.Tensor) -> bool:
-    return t.dtype.is_floating or t.dtype.is_complex
-
-
-def _float_leaves(structure: Any) -> list[tf.Tensor]:
-    return [t for t in tf.nest.flatten(structure) if _is_float(t)]
-
-
-def _with_float_leaves(structure: Any, floats: list[tf.Tensor]) -> Any:
-    it = iter(floats)
-    return tf.nest.pack_sequence_as(structure, [next(it) if _is_float(t) else t
-                                                for t in tf.nest.flatten(structure)])
-
-
-_VARIABLE_OPS = {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarHandleOp", "VariableV2"}
-
-
-def _depends_on_variables(tensors: list[tf.Tensor], max_ops: int = 10000) -> bool:
-    """Whether any of `tensors` is computed from a variable (so its gradient can matter), in graph mode.
-
-    Walks the producing ops backwards. Function arguments and constants (input batches) end the walk; eagerly,
-    or when the graph is too large to walk, the answer is conservatively True.
-    """
-    if tf.executing_eagerly():
-        return bool(tensors)
-    seen: set[int] = set()
-    stack = []
-    for t in tensors:
-        try:
-            stack.append(t.op)
-        except AttributeError:  # an eager tensor captured by the function: a constant
-            continue
-    while stack:
-        op = stack.pop()
-        if id(op) in seen:
-            continue
-        seen.add(id(op))
-        if op.type in _VARIABLE_OPS or len(seen) > max_ops:
-            return True
-        if op.type == "Placeholder" and op.outputs[0].dtype == tf.resource:
-            return True
-        stack.extend(t.op for t in op.inputs)
-    return False
 
 
 def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> Any:
@@ -77,7 +33,7 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
     k, m = pipe.p.num_stages, pipe.p.num_micro_batches
     use_remat = [remat.stage_uses_remat(pipe.p.remat, s, k) for s in range(k)]
     aux_spec = pipe.aux_stats_spec() if ctx.training and ctx.aux is not None else {}
-    flat_inputs = _float_leaves(inputs)
+    flat_inputs = float_leaves(inputs)
     flat_theta = [tf.nest.flatten(t) for t in stage_theta]
     sizes = [len(f) for f in flat_theta]
     output: dict[str, Any] = {}
@@ -90,7 +46,7 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
             start += size
         thetas = [tf.nest.pack_sequence_as(stage_theta[s], theta_args[s]) for s in range(k)]
         with tf.device(pipe.devices[0]):
-            micro = microbatch.split_list(_with_float_leaves(inputs, list(args[:len(flat_inputs)])), m)
+            micro = microbatch.split_list(with_float_leaves(inputs, list(args[:len(flat_inputs)])), m)
         # records[s][i] = (stage input, tape or None, stage output)
         records: list[list[Any]] = [[None] * m for _ in range(k)]
         outs, aux_parts = [], []
@@ -104,10 +60,10 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
                     else:
                         # Fresh identities: if the boundary holds one tensor twice, e.g. (x, x), each position
                         # must get its own gradient, not the sum of both (which would be counted twice upstream).
-                        h = _with_float_leaves(h, [tf.identity(t) for t in _float_leaves(h)])
+                        h = with_float_leaves(h, [tf.identity(t) for t in float_leaves(h)])
                         tape = tf.GradientTape(watch_accessed_variables=False)
                         with tape:
-                            tape.watch(_float_leaves(h) + theta_args[s])
+                            tape.watch(float_leaves(h) + theta_args[s])
                             y = pipe._run_stage(s, thetas[s], h, micro_ctx)
                 records[s][i] = (h, tape, y)
                 h = y
@@ -123,14 +79,14 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
         output["structure"] = outs[0]
 
         def grad_fn(*upstream: tf.Tensor) -> list[Any]:
-            out_is_float = [_is_float(t) for t in tf.nest.flatten(outs[0])]
+            out_is_float = [is_float(t) for t in tf.nest.flatten(outs[0])]
             with tf.device(pipe.devices[-1]):
                 float_upstream = [tf.split(g, m, axis=0) for g, f in zip(upstream, out_is_float) if f]
             # updates[s]: the last in-place additions into stage s's gradient sums (pipe.gradient_sums[s]).
             updates: list[list[Any] | None] = [None] * k
             input_grads = []
             wanted = pipe.p.input_gradients
-            needs_input_grad = _depends_on_variables(flat_inputs) if wanted == "auto" else bool(wanted)
+            needs_input_grad = depends_on_variables(flat_inputs) if wanted == "auto" else bool(wanted)
             for i in reversed(range(m)):
                 dy = [parts[i] for parts in float_upstream]
                 recompute_ctx = pipe.micro_batch_context(ctx, i, False)
@@ -141,18 +97,18 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
                         # also keeps the recomputation distinct from the forward pass (no common-subexpression
                         # merge), so rematerialized activations really are freed in between.
                         with tf.control_dependencies((updates[s] or []) + dy):
-                            h_float = [tf.identity(t) for t in _float_leaves(h)]
+                            h_float = [tf.identity(t) for t in float_leaves(h)]
                             if tape is None:
                                 tape = tf.GradientTape(watch_accessed_variables=False)
                                 with tape:
                                     tape.watch(h_float + theta_args[s])
-                                    y = pipe._run_stage(s, thetas[s], _with_float_leaves(h, h_float), recompute_ctx)
+                                    y = pipe._run_stage(s, thetas[s], with_float_leaves(h, h_float), recompute_ctx)
                             else:
-                                h_float = _float_leaves(h)
+                                h_float = float_leaves(h)
                             # A data batch needs no gradient: skip stage 0's input gradient (a whole matmul per layer
                             # input) unless something trainable produced the pipeline's input.
                             wrt = h_float if s > 0 or needs_input_grad else []
-                            grads = tape.gradient(_float_leaves(y), wrt + theta_args[s], output_gradients=dy,
+                            grads = tape.gradient(float_leaves(y), wrt + theta_args[s], output_gradients=dy,
                                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
                         weight_grads = grads[len(wrt):]
                         add = "assign" if updates[s] is None else "assign_add"  # the first one needs no zeroing

@@ -55,7 +55,7 @@ def stage_op(fn: Callable[[Sequence[tf.Tensor], Any], Any], weights: Sequence[tf
         local_weights = [graph.capture(w) for w in weights]
         handles = [graph.capture(h) for h in sum_handles]
 
-        def forward(xs_: Sequence[tf.Tensor]) -> tuple[Any, tf.GradientTape]:
+        def forward(xs_: Sequence[tf.Tensor]) -> tuple[Any, tf.GradientTape, list[tf.Tensor]]:
             fresh = [tf.identity(t) for t in xs_]  # one gradient per position, even if a tensor appears twice
             tape = tf.GradientTape(watch_accessed_variables=False, persistent=True)
             with tape:

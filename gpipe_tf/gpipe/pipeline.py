@@ -104,22 +104,21 @@ class GPipe(BaseLayer):
             start += size
         counts = [sum(v.shape.num_elements() for n in names for v in self.children[n].trainable_variables)
                   for names in self.stage_layers]
-        # One gradient sum per weight and replica, on the replica's stage device, allocated once: the unrolled
-        # schedule adds each micro-batch's gradient into it in place.
+        # One gradient sum per weight and replica, on the replica's stage device, allocated once: both schedules
+        # add each micro-batch's weight gradient into it in place.
         replica_sums: list[list[list[tf.Variable]]] = []
         # object.__setattr__ bypasses checkpoint tracking; the ignored-properties set hides them from .variables.
         object.__setattr__(self, "replica_gradient_sums", replica_sums)
-        if p.schedule in SCHEDULERS:
-            for r, devices in enumerate(self.replica_devices):
-                sums = []
-                for stage, names in enumerate(self.stage_layers):
-                    with tf.device(devices[stage]):
-                        flat = tf.nest.flatten({n: self.children[n].theta for n in names})
-                        sums.append([tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                                 name=f"{self.path}/gradient_sum_{r}_{stage}_{j}")
-                                     for j, v in enumerate(flat)])
-                replica_sums.append(sums)
-        object.__setattr__(self, "gradient_sums", replica_sums[0] if replica_sums else [])
+        for r, devices in enumerate(self.replica_devices):
+            sums = []
+            for stage, names in enumerate(self.stage_layers):
+                with tf.device(devices[stage]):
+                    flat = tf.nest.flatten({n: self.children[n].theta for n in names})
+                    sums.append([tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                             name=f"{self.path}/gradient_sum_{r}_{stage}_{j}")
+                                 for j, v in enumerate(flat)])
+            replica_sums.append(sums)
+        object.__setattr__(self, "gradient_sums", replica_sums[0])
         self.partition_rows = [
             partition.StageInfo(stage=s, layers=names, params=counts[s],
                                 device=" ".join(devices[s] for devices in self.replica_devices),
@@ -245,7 +244,7 @@ class PipelineReplica:
         self.index = index
         self.devices = pipe.replica_devices[index]
         self.stage_scopes = pipe.replica_scopes[index]
-        self.gradient_sums = pipe.replica_gradient_sums[index] if pipe.replica_gradient_sums else []
+        self.gradient_sums = pipe.replica_gradient_sums[index]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)

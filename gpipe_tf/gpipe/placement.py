@@ -177,9 +177,8 @@ def _gradient_device(op: tf.Operation) -> str:
         return ""  # see loop_device
     if op.device:
         return op.device
-    tokens = _SCOPE_RE.findall(op.name)
-    if tokens:
-        return _SCOPE_DEVICES.get(tokens[-1], "")
+    if _SCOPE_RE.search(op.name):
+        return _stage_device(op)
     for tensor in op.inputs:
         device = _tensor_device(tensor)
         if device:

@@ -13,8 +13,8 @@ gradient needs the whole output.
 
 Every op is placed on its stage's device, weight gradients are summed on that device, and the only transfers are
 stage-boundary activations and their gradients, which makes this the schedule to use across processes, hosts and
-GPUs. Its graph is unrolled over M (about twice the ops of one step per micro-batch and stage); the loop
-schedule keeps the graph constant in M instead.
+GPUs. Its graph is unrolled over M (about twice the ops of one step per micro-batch and stage); the
+fill_drain schedule (`fill_drain.py`) keeps the graph constant in M instead.
 """
 
 from __future__ import annotations

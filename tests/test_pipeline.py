@@ -188,7 +188,7 @@ def test_graph_does_not_grow_with_m():
 
 
 def _placed_ops(fn, *args):
-    """(device suffix, op type, name) of every node of the placed (partitioned) graphs that running fn builds."""
+    """(device suffix, op type, name, NodeDef) of every node of the placed (partitioned) graphs that running fn builds."""
     from tensorflow.python.eager import context
 
     context.enable_run_metadata()
@@ -199,14 +199,15 @@ def _placed_ops(fn, *args):
     finally:
         context.disable_graph_collection()
         context.disable_run_metadata()
-    return [(node.device.split("device:")[-1], node.op, node.name)
+    return [(node.device.split("device:")[-1], node.op, node.name, node)
             for graph in metadata.function_graphs for part in graph.partition_graphs for node in part.node]
 
 
 @pytest.mark.parametrize("remat, matmuls", [("never", {"CPU:1": 5, "CPU:2": 6}), ("always", {"CPU:1": 7, "CPU:2": 8})])
 def test_fill_drain_keeps_every_stage_state_on_its_device(remat, matmuls):
-    """Read from the placed graph: weight-gradient additions, stashes, recomputation and the backward of each stage
-    run on its device; the home device (CPU:0, where the loss is) runs none of them."""
+    """Read from the placed graph: each stage's backward, recomputation, stashes and weight-gradient sums run on its
+    device, and inside the loops only boundary activations, their gradients and the loop control cross devices.
+    CPU:0 is where the loss is and where the loops' condition runs (this process's own CPU)."""
     layer = GPipe.params().set(name="net", dtype="float32", layers=mlp_layers("float32", depth=4), num_stages=2,
                                num_micro_batches=4, remat=remat, devices=[DEVICES[1], DEVICES[2]],
                                schedule="fill_drain").instantiate()
@@ -219,15 +220,30 @@ def test_fill_drain_keeps_every_stage_state_on_its_device(remat, matmuls):
             return loss, tape.gradient(loss, layer.trainable_variables)
 
     ops = _placed_ops(step, tf.ones([BATCH, 6]))
-    count = collections.Counter((device, op) for device, op, _ in ops)
-    # 2 layers per stage, a weight and a bias each: 4 in-place additions per stage (once per micro-batch, in the loop).
-    assert count[("CPU:1", "AssignAddVariableOp")] == 4 and count[("CPU:2", "AssignAddVariableOp")] == 4, count
-    assert count[("CPU:0", "AssignAddVariableOp")] == 0
+    count = collections.Counter((device, op) for device, op, _, _ in ops)
     # Forward, recomputation (remat) and backward matmuls: stage 0 skips its data input's gradient.
     assert {d: count[(d, "MatMul")] for d in ("CPU:0", "CPU:1", "CPU:2")} == {"CPU:0": 0, **matmuls}
     # Stashes for the backward are pushed on the stage devices only.
     assert count[("CPU:1", "TensorListPushBack")] >= 1 and count[("CPU:2", "TensorListPushBack")] >= 1, count
     assert count[("CPU:0", "TensorListPushBack")] == 0, count
+    # Float state of the backward loop (each weight's gradient sum: 2 layers x (w, b) per stage, and the boundary
+    # gradients) lives on the stage devices.
+    float32 = tf.float32.as_datatype_enum
+    float_state = collections.Counter(device for device, op, name, node in ops
+                                      if op == "Merge" and "while_grad/merge" in name and node.attr["T"].type == float32)
+    assert float_state["CPU:0"] == 0 and float_state["CPU:1"] >= 4 and float_state["CPU:2"] >= 4, float_state
+    # Each micro-batch, floats cross only from stage to stage (an activation forward, its gradient backward);
+    # CPU:0 sends and receives only the loops' control (booleans, counters, control edges).
+    crossings = collections.Counter()
+    for device, op, name, node in ops:
+        # Inside the loops: not a control edge, not a loop's final value (once per step).
+        inside = op == "_Send" and "while" in node.input[0] and not any(tag in node.input[0] for tag in ("/ctrl/", "/exit/"))
+        if inside:
+            recv = node.attr["recv_device"].s.decode().split("device:")[-1]
+            crossings[(device, recv, tf.as_dtype(node.attr["T"].type).name, node.input[0])] += 1
+    floats = {key[:3] for key in crossings if key[2].startswith("float")}
+    assert floats == {("CPU:1", "CPU:2", "float32"), ("CPU:2", "CPU:1", "float32")}, crossings
+    assert all(dtype in ("bool", "int32") for src, dst, dtype, _ in crossings if "CPU:0" in (src, dst)), crossings
 
 
 def test_fill_drain_trace_time_does_not_grow_with_m():

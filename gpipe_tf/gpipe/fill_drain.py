@@ -7,21 +7,25 @@ gradient exists (all forwards, then all backwards, micro-batches in reverse), so
 
 Where things live, and why (checked on the placed graph, `tests/test_pipeline.py`):
 
-* A lowered while loop puts every loop node on the While op's device when it has one, so all loop state would
-  cross to that device each micro-batch. The loop is built without a device (`placement.loop_device`); each loop
-  variable then stays where its initial value was made (outputs on the last stage, stashes on their stage).
-* TensorFlow's own loop gradient would keep each weight's gradient sum as a loop variable whose initial zeros
-  it makes on the default device. Instead each stage runs as one op (`stage_op`) whose gradient adds the
-  weight gradient in place into that stage's gradient-sum variables on its device, and gives back only the
-  input gradient (the boundary). The stashes TensorFlow keeps for the backward (stage inputs; with remat off
-  also activations) are pushed on the stage's device, where each stage first copies its input.
+* A lowered while loop places each loop variable's nodes with its initial value, and runs its condition (and
+  any unplaced body node) on the While op's device (`placement.loop_device`). Every op here is built under its
+  stage's device; the loop counters start on the stage that uses them (the last stage's also drives the
+  condition; the first stage has its own for reading micro-batches), so what the backward keeps of an index
+  stays there too.
+* The While ops themselves (forward and backward) sit on this process's CPU (`placement.host_device()`), which
+  runs no stage. A single-thread worker handles a message only when its current chain of ops ends, so a
+  condition computed on a busy stage delays every other stage's next micro-batch: with the While op on a stage,
+  step times on single-thread workers switched between pipelined and serial from run to run.
+* Each stage's weights are loop variables passed through unchanged, so TensorFlow's backward loop sums their
+  gradients in loop variables that start from zeros made here on the stage's device. (In-place additions into
+  variables would be stateful ops, and a lowered loop starts its next iteration only after all of the
+  previous iteration's stateful ops: the backward would not overlap stages at all.)
+* Each stage runs as one op (`stage_op`) whose gradient runs on the stage's device; each stage first copies its
+  input there, so the stashes TensorFlow keeps for the backward (stage inputs; with remat off also activations)
+  are pushed on that device. Only boundary activations, their gradients and the loop control cross devices.
 * Rematerialization is the same op recomputing its forward pass in its gradient, once the boundary gradient
-  has arrived. `tf.recompute_grad` cannot be used here: its weight gradients would become loop-carried sums on
-  the default device (the problem above) and, inside a while loop, it cannot read variables.
-
-Measured limit (README "How the pipeline works"): on single-thread TF workers the backward loop overlaps the
-stages less than the unrolled schedule does, so at K=2 a step takes longer than `unrolled`'s; its forward loop
-is as fast.
+  has arrived. `tf.recompute_grad` is not used: inside a while loop it cannot read variables, and its weight
+  gradients would be summed from zeros on the default device.
 """
 
 from __future__ import annotations
@@ -35,36 +39,32 @@ from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves, is_float, 
 from gpipe_tf.layers.base_layer import FPropContext
 
 
-def stage_op(fn: Callable[[Sequence[tf.Tensor], Any], Any], weights: Sequence[tf.Tensor],
-             sum_handles: Sequence[tf.Tensor], token: tf.Tensor, inputs: Any, input_gradient: bool, recompute: bool,
-             device: str) -> Any:
-    """Runs `fn(weights, inputs)` (one stage on one micro-batch) as an op whose gradient adds the gradients of
-    `weights` into the variables behind `sum_handles` (in place, on `device`) and returns only the input gradient.
+def stage_op(fn: Callable[[Sequence[tf.Tensor], Any], Any], weights: Sequence[tf.Tensor], inputs: Any,
+             input_gradient: bool, recompute: bool, device: str) -> Any:
+    """Runs `fn(weights, inputs)` (one stage on one micro-batch) as one op with its own gradient, on `device`.
 
-    `token` (a float scalar the caller watches) gets a gradient that depends on the additions by data, so that
-    reading the sums after the loop's gradient sees all of them. recompute: keep nothing but `inputs`; the
-    gradient runs `fn` again once the output gradient has arrived.
+    recompute: keep nothing but `inputs` (and the weights, which the loop passes through unchanged); the gradient
+    runs `fn` again once the output gradient has arrived, so that TensorFlow cannot merge the recomputation with
+    the forward pass. Otherwise the activations recorded in the forward pass are kept for the gradient.
     """
     floats = float_leaves(inputs) if input_gradient else []
+    num_x = len(floats)
     structure: list[Any] = []
 
     @tf.custom_gradient
-    def op(token_in: tf.Tensor, *xs: tf.Tensor) -> Any:
-        # The gradient may only use what the forward pass captured into this graph (a cond branch checks it).
-        graph = tf.compat.v1.get_default_graph()
-        local_weights = [graph.capture(w) for w in weights]
-        handles = [graph.capture(h) for h in sum_handles]
+    def op(*args: tf.Tensor) -> Any:
+        xs, ws = list(args[:num_x]), list(args[num_x:])
 
         def forward(xs_: Sequence[tf.Tensor]) -> tuple[Any, tf.GradientTape, list[tf.Tensor]]:
             fresh = [tf.identity(t) for t in xs_]  # one gradient per position, even if a tensor appears twice
             tape = tf.GradientTape(watch_accessed_variables=False, persistent=True)
             with tape:
-                tape.watch(fresh + local_weights)
-                out = fn(local_weights, with_float_leaves(inputs, fresh) if input_gradient else inputs)
+                tape.watch(fresh + ws)
+                out = fn(ws, with_float_leaves(inputs, fresh) if input_gradient else inputs)
             return out, tape, fresh
 
         if recompute:
-            y, tape, fresh = fn(local_weights, with_float_leaves(inputs, xs) if input_gradient else inputs), None, None
+            y, tape, fresh = fn(ws, with_float_leaves(inputs, xs) if input_gradient else inputs), None, []
         else:
             y, tape, fresh = forward(xs)
         structure.append(y)
@@ -74,24 +74,15 @@ def stage_op(fn: Callable[[Sequence[tf.Tensor], Any], Any], weights: Sequence[tf
             with tf.device(device):
                 local_tape, local_x, local_y = tape, fresh, float_y
                 if recompute:
-                    # Waiting for the output gradient keeps the recomputation apart from the forward pass.
                     with tf.control_dependencies(dys):
                         local_y, local_tape, local_x = forward([tf.identity(t) for t in xs])
                     local_y = float_leaves(local_y)
-                grads = local_tape.gradient(local_y, list(local_x) + local_weights, output_gradients=list(dys),
-                                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                updates = [tf.raw_ops.AssignAddVariableOp(resource=h, value=g)
-                           for h, g in zip(handles, grads[len(local_x):])]
-                # A data dependency on every update (control edges alone were lost through the loop gradient).
-                with tf.control_dependencies(updates):
-                    probes = [tf.cast(tf.reshape(tf.raw_ops.ReadVariableOp(resource=h, dtype=w.dtype), [-1])[:1],
-                                      token_in.dtype) for h, w in zip(handles, weights)]
-                dtoken = tf.reduce_sum(tf.concat(probes, 0)) * 0.0 if probes else tf.zeros_like(token_in)
-            return [dtoken] + list(grads[:len(local_x)])
+                return local_tape.gradient(local_y, list(local_x) + ws, output_gradients=list(dys),
+                                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
         return float_y, grad
 
-    float_out = op(token, *floats)
+    float_out = op(*floats, *weights)
     return with_float_leaves(structure[0], float_out)
 
 
@@ -126,48 +117,53 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
         for flat in flat_theta:
             thetas.append(stopped[start:start + len(flat)])
             start += len(flat)
-        tokens = []
-        for s in range(k):
-            with tf.device(devices[s]):
-                tokens.append(tf.zeros([], tf.float32))
         tape = tf.GradientTape(watch_accessed_variables=False)
         with tape:
-            tape.watch(tokens + (xs if input_gradient else []))
+            flat_weights = [w for ws in thetas for w in ws]
+            tape.watch(flat_weights + (xs if input_gradient else []))
             with tf.device(devices[0]):
                 micro = microbatch.split(with_float_leaves(inputs, xs), m)
 
-            def body(i: tf.Tensor, *state: Any) -> tuple:
+            def body(i: tf.Tensor, first: tf.Tensor, weights: tuple, *state: Any) -> tuple:
+                # i, the condition's counter, lives on the last stage; the first stage has its own, so that what
+                # the backward keeps of each index stays on its stage's device.
                 aux_sums, arrays = state[:num_aux], state[num_aux:]
-                graph = tf.compat.v1.get_default_graph()
-                with tf.device(devices[0]):
-                    h = tf.nest.map_structure(lambda t: t[i], micro)
+                with placement.on_stage(pipe.stage_scopes[0]):
+                    first_next = first + 1
+                    index = first_next - 1
+                    h = tf.nest.map_structure(lambda t: t[index], micro)
                 micro_ctx = pipe.micro_batch_context(ctx, i, bool(aux_spec))
                 for s in range(k):
                     with placement.on_stage(pipe.stage_scopes[s]):
                         # The stage's own copy of its input: what the backward keeps of it stays on this device.
                         h = tf.nest.map_structure(tf.identity, h)
 
-                        def fn(weights: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
-                            return pipe._run_stage(s, tf.nest.pack_sequence_as(stage_theta[s], list(weights)), x,
+                        def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
+                            return pipe._run_stage(s, tf.nest.pack_sequence_as(stage_theta[s], list(ws)), x,
                                                    micro_ctx)
-                        handles = [graph.capture(v.handle) for v in pipe.gradient_sums[s]]
-                        h = stage_op(fn, thetas[s], handles, tokens[s], h, s > 0 or input_gradient, use_remat[s],
-                                     devices[s])
-                with tf.device(devices[-1]):
-                    arrays = tuple(a.write(i, leaf) for a, leaf in zip(arrays, tf.nest.flatten(h)))
+                        h = stage_op(fn, weights[s], h, s > 0 or input_gradient, use_remat[s], devices[s])
+                with placement.on_stage(pipe.stage_scopes[-1]):
+                    index = (i + 1) - 1  # a tensor of this stage (the loop's own input would be kept elsewhere)
+                    arrays = tuple(a.write(index, leaf) for a, leaf in zip(arrays, tf.nest.flatten(h)))
                     if aux_spec:
                         stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec})
                         aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
-                return (i + 1, *aux_sums, *arrays)
+                return (i + 1, first_next, weights, *aux_sums, *arrays)
 
             with tf.device(devices[-1]):
                 arrays = tuple(tf.TensorArray(sp.dtype, size=m, element_shape=sp.shape) for sp in flat_spec)
                 aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in flat_aux_spec)
-            with tf.device(devices[0]):
-                i0 = tf.constant(0)
-            with tf.compat.v1.get_default_graph().device(placement.loop_device(devices[0])):
-                _, *state = tf.while_loop(lambda i, *_: i < m, body, (i0, *aux_zeros, *arrays),
-                                          parallel_iterations=pipe.p.parallel_iterations or k)
+            condition = placement.host_device()
+            counters = []
+            for device in (devices[-1], devices[0]):
+                with tf.device(device):
+                    counters.append(tf.constant(0))
+            with tf.compat.v1.get_default_graph().device(placement.loop_device(devices[-1], condition)):
+                # The weights are loop variables passed through unchanged: their gradient is a loop variable of
+                # the backward loop that starts from the zeros below, on the stage's device, and sums there.
+                _, _, weights_out, *state = tf.while_loop(
+                    lambda i, *_: i < m, body, (*counters, tuple(tuple(ws) for ws in thetas), *aux_zeros, *arrays),
+                    parallel_iterations=pipe.p.parallel_iterations or k)
             with tf.device(devices[-1]):
                 flat_out = [microbatch.merge(a.stack()) for a in state[num_aux:]]
         if aux_spec:
@@ -176,24 +172,21 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
         out_float = [t for t in flat_out if is_float(t)]
 
         def grad_fn(*dy: tf.Tensor) -> list[tf.Tensor]:
-            zeroed = []
+            with tf.device(devices[-1]):
+                dy = [tf.identity(d) for d in dy]
+            ends, starts = [], []
             for s in range(k):
                 with tf.device(devices[s]):
-                    zeroed += [acc.assign(tf.zeros_like(acc), read_value=False) for acc in pipe.gradient_sums[s]]
-            with tf.control_dependencies(zeroed), tf.device(devices[-1]):
-                dy = [tf.identity(d) for d in dy]
-            wrt = tokens + (xs if input_gradient else [])
-            with placement.colocate_gradients():
-                grads = tape.gradient(out_float, wrt, output_gradients=dy,
+                    ends += list(weights_out[s])
+                    starts += [tf.zeros_like(w) for w in weights_out[s]]
+            wrt = flat_weights + (xs if input_gradient else [])
+            # Counters and the outputs (TensorArrays) live on the last stage; so do their gradients.
+            with placement.colocate_gradients(devices[-1], condition):
+                grads = tape.gradient(out_float + ends, wrt, output_gradients=dy + starts,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            dx = grads[k:] if input_gradient else [tf.zeros_like(a) for a in xs]
-            sums = []
-            # Each token's gradient depends on its stage's additions by data (see stage_op).
-            with tf.control_dependencies(grads[:k]):
-                for s in range(k):
-                    with tf.device(devices[s]):
-                        sums += [acc.read_value() for acc in pipe.gradient_sums[s]]
-            return list(dx) + sums
+            sums = grads[:len(flat_weights)]
+            dx = grads[len(flat_weights):] if input_gradient else [tf.zeros_like(a) for a in xs]
+            return list(dx) + list(sums)
 
         return out_float, grad_fn
 

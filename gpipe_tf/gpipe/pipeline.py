@@ -104,12 +104,12 @@ class GPipe(BaseLayer):
             start += size
         counts = [sum(v.shape.num_elements() for n in names for v in self.children[n].trainable_variables)
                   for names in self.stage_layers]
-        # One gradient sum per weight and replica, on the replica's stage device, allocated once: both schedules
-        # add each micro-batch's weight gradient into it in place.
+        # One gradient sum per weight and replica, on the replica's stage device, allocated once: the unrolled
+        # schedule adds each micro-batch's weight gradient into it in place (fill_drain sums in loop variables).
         replica_sums: list[list[list[tf.Variable]]] = []
         # object.__setattr__ bypasses checkpoint tracking; the ignored-properties set hides them from .variables.
         object.__setattr__(self, "replica_gradient_sums", replica_sums)
-        for r, devices in enumerate(self.replica_devices):
+        for r, devices in enumerate(self.replica_devices if p.schedule == "unrolled" else []):
             sums = []
             for stage, names in enumerate(self.stage_layers):
                 with tf.device(devices[stage]):
@@ -118,7 +118,7 @@ class GPipe(BaseLayer):
                                              name=f"{self.path}/gradient_sum_{r}_{stage}_{j}")
                                  for j, v in enumerate(flat)])
             replica_sums.append(sums)
-        object.__setattr__(self, "gradient_sums", replica_sums[0])
+        object.__setattr__(self, "gradient_sums", replica_sums[0] if replica_sums else [])
         self.partition_rows = [
             partition.StageInfo(stage=s, layers=names, params=counts[s],
                                 device=" ".join(devices[s] for devices in self.replica_devices),

@@ -152,18 +152,29 @@ def on_stage(token: str) -> Iterator[None]:
 _LOOP_OPS = ("While", "StatelessWhile")
 
 
-def loop_device(default: str):
+def host_device() -> str:
+    """This process's own CPU, fully named (e.g. ``/job:localhost/replica:0/task:0/device:CPU:0``)."""
+    with tf.init_scope(), tf.compat.v1.device(None), tf.device("/device:CPU:0"):
+        return tf.constant(0).device
+
+
+def loop_device(counters: str, condition: str):
     """A device function for building a while loop whose state stays on each stage's device.
 
-    TensorFlow places every node of a lowered while loop on the While op's own device when it has one, so all loop
-    state (e.g. weight-gradient sums) would travel to that device and back each iteration. Without a device, each
-    loop variable stays where its initial value lives. So: no device for the While op, its stage's device for an op
-    built under a stage's name scope, and `default` (e.g. for the loop counter) otherwise.
+    A lowered while loop places each loop variable's nodes with its initial value, and its condition (and any
+    unplaced node of its body) on the While op's device. So: ops built under a stage's name scope on that
+    stage's device; other unplaced ops (e.g. the loop counter) on `counters`; the While op on `condition`.
+    Then nothing but what a stage sends to the next, and the condition, crosses devices each micro-batch.
+
+    `condition` should be a device that runs no stage (`host_device()`): every stage waits for the condition
+    of its next micro-batch, and a message from a device busy with a stage's long chain of ops is only handled
+    when that chain ends. Measured on single-thread workers (README "How the pipeline works"): with the While
+    op on a stage, step times switched between pipelined and serial from run to run.
     """
     def device(op: tf.Operation) -> str:
         if op.type in _LOOP_OPS:
-            return ""
-        return op.device or _stage_device(op) or default
+            return condition
+        return op.device or _stage_device(op) or counters
     return device
 
 
@@ -172,9 +183,9 @@ def _stage_device(op: tf.Operation) -> str:
     return _SCOPE_DEVICES.get(tokens[-1], "") if tokens else ""
 
 
-def _gradient_device(op: tf.Operation) -> str:
+def _gradient_device(op: tf.Operation, counters: str = "", condition: str = "") -> str:
     if op.type in _LOOP_OPS:
-        return ""  # see loop_device
+        return condition  # see loop_device
     if op.device:
         return op.device
     if _SCOPE_RE.search(op.name):
@@ -183,21 +194,28 @@ def _gradient_device(op: tf.Operation) -> str:
         device = _tensor_device(tensor)
         if device:
             return device
-    return ""
+    return counters
 
 
 def _tensor_device(tensor: tf.Tensor) -> str:
     """Where `tensor` lives; a while loop's output lives where its loop variable started (see loop_device)."""
-    while tensor.op.type in _LOOP_OPS and not tensor.op.device:
+    while tensor.op.type in _LOOP_OPS:
         tensor = tensor.op.inputs[tensor.value_index]
     return tensor.op.device
 
 
 @contextlib.contextmanager
-def colocate_gradients() -> Iterator[None]:
-    """Places gradient ops built in this context on their pipeline stage's device (graph mode; eager: no-op)."""
+def colocate_gradients(counters: str = "", condition: str = "") -> Iterator[None]:
+    """Places gradient ops built in this context on their pipeline stage's device (graph mode; eager: no-op).
+
+    For the gradient of a loop built with `loop_device(counters, condition)`: `condition` is the device of the
+    gradient loop's While op, `counters` that of gradient ops with no stage and no placed input (the gradient
+    loop's counter; the incoming gradient of each loop variable, e.g. of the output TensorArrays, which is an op
+    with no device and no placed input). Empty: TensorFlow's default device.
+    """
     if tf.executing_eagerly():
         yield
         return
-    with tf.compat.v1.get_default_graph().device(_gradient_device):
+    with tf.compat.v1.get_default_graph().device(
+            lambda op: _gradient_device(op, counters, condition)):
         yield

@@ -244,7 +244,7 @@ class PipelineReplica:
         self.index = index
         self.devices = pipe.replica_devices[index]
         self.stage_scopes = pipe.replica_scopes[index]
-        self.gradient_sums = pipe.replica_gradient_sums[index]
+        self.gradient_sums = pipe.replica_gradient_sums[index] if pipe.replica_gradient_sums else []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)

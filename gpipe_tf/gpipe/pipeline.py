@@ -54,10 +54,10 @@ class GPipe(BaseLayer):
         p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
         p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "
                  "overrides device_kind.")
-        p.define("schedule", "unrolled", f"How the fill-drain schedule is built: one of {tuple(SCHEDULERS)}. "
-                 "'fill_drain': one while loop over micro-batches, graph and trace time constant in M (use it for "
-                 "large M or deep stacks). 'unrolled': every (stage, micro-batch) step is its own op group; faster "
-                 "backward across worker processes, but the graph grows with M.")
+        p.define("schedule", "fill_drain", f"How the fill-drain schedule is built: one of {tuple(SCHEDULERS)}. "
+                 "'fill_drain' (default): one while loop over micro-batches; graph and trace time constant in M, "
+                 "each stage's state on its device. 'unrolled': every (stage, micro-batch) step is its own op "
+                 "group; the graph grows with M x layers (README 'How the pipeline works' compares them).")
         p.define("input_gradients", "auto", "Compute the gradient of the pipeline's input? 'auto': only if the "
                  "input is computed from variables (a data batch needs none); True when you watch the input "
                  "yourself (e.g. saliency maps).")

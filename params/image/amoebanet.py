@@ -27,7 +27,7 @@ class AmoebaNetBase(Experiment):
     num_stages = 2
     num_micro_batches = 4
     remat = "except_last"
-    schedule = "unrolled"
+    schedule = "fill_drain"
     dropout_rate = 0.5
     drop_path_keep_prob = 1.0
     label_smoothing = 0.1
@@ -103,8 +103,6 @@ class AmoebaNetTinyOffline(AmoebaNetBase):
     batch_size = 32
     logical_devices = 2
     remat = "always"
-    # The fill-drain loop's graph is constant in M: it compiles fastest on the shared thread pool of logical CPUs.
-    schedule = "fill_drain"
     dropout_rate = 0.0
     label_smoothing = 0.0
     # Measured here: 1500 steps reach 99.4% test accuracy (chance 10%) in under 5 minutes on 2 cores.

@@ -39,7 +39,7 @@ class NumbersTiny(Experiment):
     num_stages = 2
     num_micro_batches = 4
     remat = "never"
-    schedule = "unrolled"
+    schedule = "fill_drain"
     logical_devices = 4
 
     def task(self) -> InstantiableParams:

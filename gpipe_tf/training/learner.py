@@ -14,7 +14,7 @@ from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.hyperparams import ParamsError, Params
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.tasks.base_task import BaseTask, Metrics
-from gpipe_tf.training import optimizers, schedules
+from gpipe_tf.training import lr_schedules, optimizers
 from gpipe_tf.training.replicas import ReplicaLayout
 
 
@@ -24,7 +24,7 @@ def training_params() -> Params:
     p.define("max_steps", 1000, "Train until the global step reaches this value.")
     p.define("learning_rate", 1e-3, "Base learning rate; the schedule multiplies it.")
     p.define("optimizer", optimizers.Adam.params(), "Optimizer Params (SGD, Adam, RMSProp).")
-    p.define("lr_schedule", schedules.Constant.params(),
+    p.define("lr_schedule", lr_schedules.Constant.params(),
              "Learning-rate multiplier schedule (Constant, LinearWarmupRsqrtDecay, Cosine, StepDecay).")
     p.define("clip_gradient_norm", 0.0, "Clip gradients to this global norm; 0 disables clipping.")
     p.define("seed", 1, "Seed of training randomness (dropout): step s uses the stateless seed (seed, s).")

@@ -12,7 +12,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import remat, schedule
+from gpipe_tf.gpipe import remat, timeline
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.training.summaries import SummaryWriter
 
@@ -23,13 +23,13 @@ def pipelines(module: tf.Module) -> list[GPipe]:
     return found + [m for m in module.submodules if isinstance(m, GPipe)]
 
 
-def predicted_timeline(pipe: GPipe) -> schedule.Timeline:
+def predicted_timeline(pipe: GPipe) -> timeline.Timeline:
     """The fill-drain timeline predicted from the pipeline's per-stage costs and remat policy."""
     costs = [max(row.cost, 1e-12) for row in pipe.partition_rows]
     total = sum(costs)
     costs = [c / total for c in costs] if total > 0 else [1.0] * len(costs)
     k = pipe.p.num_stages
-    return schedule.predict(k, pipe.p.num_micro_batches, costs,
+    return timeline.predict(k, pipe.p.num_micro_batches, costs,
                             remat=[remat.stage_uses_remat(pipe.p.remat, s, k) for s in range(k)])
 
 
@@ -40,14 +40,14 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
         return
     tables, texts = [], []
     for pipe in pipes:
-        timeline = predicted_timeline(pipe)
+        predicted = predicted_timeline(pipe)
         tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat}\n"
                       + pipe.partition_table())
-        texts.append(f"# {pipe.path}\n" + schedule.render_text(timeline))
+        texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))
         png_name = "schedule.png" if len(pipes) == 1 else f"schedule_{pipe.path.replace('/', '.')}.png"
         with open(os.path.join(logdir, png_name), "wb") as f:
-            f.write(schedule.render_png(timeline))
-        writer.image(step, f"schedule/{pipe.path}", schedule.image_tensor(timeline))
+            f.write(timeline.render_png(predicted))
+        writer.image(step, f"schedule/{pipe.path}", timeline.image_tensor(predicted))
     table_text, schedule_text = "\n\n".join(tables), "\n\n".join(texts)
     for name, text in (("partition.txt", table_text), ("schedule.txt", schedule_text)):
         with open(os.path.join(logdir, name), "w", encoding="utf-8") as f:

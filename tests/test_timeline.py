@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpipe_tf.gpipe import schedule
+from gpipe_tf.gpipe import timeline
 from gpipe_tf.hyperparams import ParamsError
 
 
 @pytest.mark.parametrize("ratio", [2.0, 1.0, 3.5])
 def test_equal_costs_reach_gpipe_bound_exactly(ratio):
     for k, m in itertools.product([1, 2, 3, 4, 7], [1, 2, 4, 5, 16, 33]):
-        t = schedule.predict(k, m, backward_ratio=ratio)
+        t = timeline.predict(k, m, backward_ratio=ratio)
         bound = Fraction(k - 1, m + k - 1)
         assert t.bubble_fraction == pytest.approx(float(bound), abs=1e-12), (k, m)
         assert t.ideal_bubble_fraction() == pytest.approx(float(bound), abs=1e-12)
@@ -53,7 +53,7 @@ def _check_dependencies(t):
     (5, 2, [0.3, 0.1, 0.7, 0.2, 0.4], True),
 ])
 def test_every_cell_respects_its_dependencies(k, m, costs, remat):
-    t = schedule.predict(k, m, costs, remat=remat)
+    t = timeline.predict(k, m, costs, remat=remat)
     _check_dependencies(t)
     # The simulation starts each cell as early as allowed: the first forward on stage 0 at time 0 and no
     # cell later than its latest dependency or its stage's previous cell.
@@ -61,14 +61,14 @@ def test_every_cell_respects_its_dependencies(k, m, costs, remat):
 
 
 def test_forward_clock_tick_is_i_plus_k_for_equal_costs():
-    t = schedule.predict(3, 4)
+    t = timeline.predict(3, 4)
     for c in t.cells:
         if c.phase == "F":
             assert c.start == c.micro_batch + c.stage
 
 
 def test_unbalanced_stages_match_hand_computation():
-    t = schedule.predict(2, 4, [1, 3])
+    t = timeline.predict(2, 4, [1, 3])
     # Stage 1 (cost 3) bottlenecks: its forwards run 1-4, 4-7, 7-10, 10-13; its backwards (cost 6) 13-19, ..,
     # 31-37; stage 0's last backward (cost 2) follows at 37-39. Busy 12 + 36 of 2 * 39.
     assert t.makespan == pytest.approx(39.0)
@@ -81,9 +81,9 @@ def test_unbalanced_stages_match_hand_computation():
 
 def test_remat_adds_one_forward_to_each_backward():
     costs = [1.0, 2.0, 0.5]
-    plain = schedule.predict(3, 4, costs)
-    everywhere = schedule.predict(3, 4, costs, remat=True)
-    some = schedule.predict(3, 4, costs, backward_ratio=1.5, remat=[True, False, True])
+    plain = timeline.predict(3, 4, costs)
+    everywhere = timeline.predict(3, 4, costs, remat=True)
+    some = timeline.predict(3, 4, costs, backward_ratio=1.5, remat=[True, False, True])
     for c in plain.cells:
         assert c.end - c.start == pytest.approx(costs[c.stage] * (2.0 if c.phase == "B" else 1.0))
     for c in everywhere.cells:
@@ -93,7 +93,7 @@ def test_remat_adds_one_forward_to_each_backward():
         assert c.end - c.start == pytest.approx(costs[c.stage] * factor)
     assert everywhere.makespan > plain.makespan
     # Uniform remat scales every backward alike, so equal stages keep the GPipe bound.
-    assert schedule.predict(4, 6, remat=True).bubble_fraction == pytest.approx(3 / 9, abs=1e-12)
+    assert timeline.predict(4, 6, remat=True).bubble_fraction == pytest.approx(3 / 9, abs=1e-12)
     _check_dependencies(some)
 
 
@@ -112,7 +112,7 @@ def _text_rows(text, k, m):
 
 
 def test_text_header_rows_and_both_phases_of_every_micro_batch():
-    header, rows = _text_rows(schedule.render_text(schedule.predict(2, 4)), 2, 4)
+    header, rows = _text_rows(timeline.render_text(timeline.predict(2, 4)), 2, 4)
     assert header.startswith("GPipe schedule K=2 M=4: bubble 20.0% (bound 20.0%)")
     assert rows[0] == ["0 ", "1 ", "2 ", "3 ", ". ", ". ", ". ", "3'", "3'", "2'", "2'", "1'", "1'", "0'", "0'"]
     assert rows[1] == [". ", "0 ", "1 ", "2 ", "3 ", "3'", "3'", "2'", "2'", "1'", "1'", "0'", "0'", ". ", ". "]
@@ -120,7 +120,7 @@ def test_text_header_rows_and_both_phases_of_every_micro_batch():
 
 def test_text_keeps_two_digit_micro_batches_readable():
     k, m = 3, 12
-    _, rows = _text_rows(schedule.render_text(schedule.predict(k, m, [1, 2, 1])), k, m)
+    _, rows = _text_rows(timeline.render_text(timeline.predict(k, m, [1, 2, 1])), k, m)
     for row in rows:
         forward = {int(c) for c in row if c.endswith(" ") and c.strip() != "."}
         backward = {int(c[:-1]) for c in row if c.endswith("'")}
@@ -131,9 +131,9 @@ def test_text_keeps_two_digit_micro_batches_readable():
 
 
 def test_text_coarser_tick_halves_the_columns():
-    t = schedule.predict(2, 4)
-    _, fine = _text_rows(schedule.render_text(t), 2, 4)
-    _, coarse = _text_rows(schedule.render_text(t, tick=2.0), 2, 4)
+    t = timeline.predict(2, 4)
+    _, fine = _text_rows(timeline.render_text(t), 2, 4)
+    _, coarse = _text_rows(timeline.render_text(t, tick=2.0), 2, 4)
     assert len(fine[0]) == 15 and len(coarse[0]) == 8
     # Each column shows what runs at its middle (times 1, 3, 5, ...): short forwards may drop out, e.g. F(1, 1).
     assert coarse[1] == ["0 ", "2 ", "3'", "2'", "1'", "0'", ". ", ". "]
@@ -149,28 +149,28 @@ def _count_color(image, color):
 
 def test_png_size_and_colors():
     k, m, px = 3, 5, 20
-    t = schedule.predict(k, m)
-    image = _decoded(schedule.render_png(t, cell_px=px))
+    t = timeline.predict(k, m)
+    image = _decoded(timeline.render_png(t, cell_px=px))
     columns = 3 * (m + k - 1)  # makespan / shortest cell (forward, 1.0)
     assert image.shape == (k * px + 1, px + columns * px + 1, 3)  # label column is one cell wide here
-    for colors in (schedule.FORWARD_COLORS, schedule.BACKWARD_COLORS):
+    for colors in (timeline.FORWARD_COLORS, timeline.BACKWARD_COLORS):
         for color in colors:
             assert _count_color(image, color) > 0
-    assert _count_color(image, schedule.IDLE_COLOR) > 0
-    assert _count_color(image, schedule.GRID_COLOR) > 0
-    assert _count_color(image, schedule.TEXT_COLOR) > 0
+    assert _count_color(image, timeline.IDLE_COLOR) > 0
+    assert _count_color(image, timeline.GRID_COLOR) > 0
+    assert _count_color(image, timeline.TEXT_COLOR) > 0
     # F(0, 0) is the first data column of row 0; stage 1 idles there during the fill.
-    assert tuple(image[3, px + 3]) == schedule.FORWARD_COLORS[0]
-    assert tuple(image[px + 3, px + 3]) == schedule.IDLE_COLOR
+    assert tuple(image[3, px + 3]) == timeline.FORWARD_COLORS[0]
+    assert tuple(image[px + 3, px + 3]) == timeline.IDLE_COLOR
     # The last column of stage 0 is the second tick of B(0, 0).
-    assert tuple(image[3, -4]) == schedule.BACKWARD_COLORS[0]
+    assert tuple(image[3, -4]) == timeline.BACKWARD_COLORS[0]
 
 
 def test_png_draws_micro_batch_digits_inside_cells():
     px = 24
-    t = schedule.predict(1, 2, backward_ratio=1.0)  # columns: F0 F1 B1 B0
-    image = _decoded(schedule.render_png(t, cell_px=px))
-    ink = np.all(image == np.array(schedule.TEXT_COLOR, dtype=np.uint8), axis=-1)
+    t = timeline.predict(1, 2, backward_ratio=1.0)  # columns: F0 F1 B1 B0
+    image = _decoded(timeline.render_png(t, cell_px=px))
+    ink = np.all(image == np.array(timeline.TEXT_COLOR, dtype=np.uint8), axis=-1)
     cells = [ink[1:px, px * (j + 1) + 1:px * (j + 2)] for j in range(4)]
     assert all(cell.any() for cell in cells)
     # Same digit, same glyph: F0 matches B0 and F1 matches B1, while 0 and 1 differ.
@@ -179,11 +179,11 @@ def test_png_draws_micro_batch_digits_inside_cells():
 
 
 def test_image_tensor_for_summaries():
-    t = schedule.predict(2, 3)
-    tensor = schedule.image_tensor(t, cell_px=16)
+    t = timeline.predict(2, 3)
+    tensor = timeline.image_tensor(t, cell_px=16)
     assert tensor.dtype == tf.uint8
     assert tensor.shape == (1, 2 * 16 + 1, 16 + 12 * 16 + 1, 3)
-    np.testing.assert_array_equal(tensor.numpy()[0], _decoded(schedule.render_png(t, cell_px=16)))
+    np.testing.assert_array_equal(tensor.numpy()[0], _decoded(timeline.render_png(t, cell_px=16)))
 
 
 @pytest.mark.parametrize("kwargs,names", [
@@ -202,22 +202,22 @@ def test_image_tensor_for_summaries():
 ])
 def test_invalid_predict_arguments_name_the_value(kwargs, names):
     with pytest.raises(ParamsError, match=re.escape(names)):
-        schedule.predict(**kwargs)
+        timeline.predict(**kwargs)
 
 
 def test_invalid_render_arguments_name_the_value():
-    t = schedule.predict(2, 4)
+    t = timeline.predict(2, 4)
     with pytest.raises(ParamsError, match=r"tick=-1\.0"):
-        schedule.render_text(t, tick=-1.0)
+        timeline.render_text(t, tick=-1.0)
     with pytest.raises(ParamsError, match=r"tick=0\.001 would draw 15000 columns"):
-        schedule.render_text(t, tick=0.001)
+        timeline.render_text(t, tick=0.001)
     with pytest.raises(ParamsError, match=r"cell_px=4 .*\[8, 256\]"):
-        schedule.render_png(t, cell_px=4)
+        timeline.render_png(t, cell_px=4)
     with pytest.raises(ParamsError, match=r"timeline='oops'"):
-        schedule.render_text("oops")
+        timeline.render_text("oops")
 
 
 def test_default_tick_is_coarsened_for_extreme_cost_spreads():
-    t = schedule.predict(2, 2, [1e-7, 1.0])
-    _, rows = _text_rows(schedule.render_text(t), 2, 2)
+    t = timeline.predict(2, 2, [1e-7, 1.0])
+    _, rows = _text_rows(timeline.render_text(t), 2, 2)
     assert len(rows[0]) <= 4096

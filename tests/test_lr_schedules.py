@@ -1,4 +1,4 @@
-"""Tests of gpipe_tf.training.schedules against plain Python formulas."""
+"""Tests of gpipe_tf.training.lr_schedules against plain Python formulas."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import ParamsError
-from gpipe_tf.training import schedules
+from gpipe_tf.training import lr_schedules
 
 STEPS = [0, 1, 7, 99, 100, 101, 499, 500, 999, 1000, 5000, 3_000_000_000]
 
@@ -39,15 +39,15 @@ def step_ref(step, boundaries, factor, every_n):
 
 
 CASES = [
-    ("constant", schedules.Constant, {}, lambda s: 1.0),
-    ("rsqrt", schedules.LinearWarmupRsqrtDecay, {"warmup_steps": 100}, lambda s: rsqrt_ref(s, 100)),
-    ("cosine", schedules.Cosine, {"total_steps": 1000}, lambda s: cosine_ref(s, 1000, 0, 0.0)),
-    ("cosine_warmup", schedules.Cosine, {"total_steps": 1000, "warmup_steps": 100, "final_ratio": 0.1},
+    ("constant", lr_schedules.Constant, {}, lambda s: 1.0),
+    ("rsqrt", lr_schedules.LinearWarmupRsqrtDecay, {"warmup_steps": 100}, lambda s: rsqrt_ref(s, 100)),
+    ("cosine", lr_schedules.Cosine, {"total_steps": 1000}, lambda s: cosine_ref(s, 1000, 0, 0.0)),
+    ("cosine_warmup", lr_schedules.Cosine, {"total_steps": 1000, "warmup_steps": 100, "final_ratio": 0.1},
      lambda s: cosine_ref(s, 1000, 100, 0.1)),
-    ("step_boundaries", schedules.StepDecay, {"boundaries": [100, 500], "decay_factor": 0.5},
+    ("step_boundaries", lr_schedules.StepDecay, {"boundaries": [100, 500], "decay_factor": 0.5},
      lambda s: step_ref(s, [100, 500], 0.5, 0)),
-    ("step_every_n", schedules.StepDecay, {"every_n_steps": 100}, lambda s: step_ref(s, [], 0.1, 100)),
-    ("step_off", schedules.StepDecay, {}, lambda s: 1.0),
+    ("step_every_n", lr_schedules.StepDecay, {"every_n_steps": 100}, lambda s: step_ref(s, [], 0.1, 100)),
+    ("step_off", lr_schedules.StepDecay, {}, lambda s: 1.0),
 ]
 
 
@@ -66,31 +66,31 @@ def test_matches_reference(name, cls, overrides, reference):
 
 
 def test_rsqrt_peaks_at_one_at_end_of_warmup():
-    schedule = make(schedules.LinearWarmupRsqrtDecay, warmup_steps=4000)
+    schedule = make(lr_schedules.LinearWarmupRsqrtDecay, warmup_steps=4000)
     assert schedule(3999).numpy() == pytest.approx(1.0)
     assert schedule(0).numpy() == pytest.approx(1 / 4000)
     assert schedule(15999).numpy() == pytest.approx(0.5)
 
 
 def test_int32_step_tensor():
-    schedule = make(schedules.StepDecay, boundaries=[10])
+    schedule = make(lr_schedules.StepDecay, boundaries=[10])
     assert schedule(tf.constant(10, tf.int32)).numpy() == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("cls,overrides,field", [
-    (schedules.LinearWarmupRsqrtDecay, {"warmup_steps": 0}, "warmup_steps"),
-    (schedules.LinearWarmupRsqrtDecay, {"warmup_steps": 10.5}, "warmup_steps"),
-    (schedules.Cosine, {"total_steps": 0}, "total_steps"),
-    (schedules.Cosine, {"total_steps": 100, "warmup_steps": 100}, "warmup_steps"),
-    (schedules.Cosine, {"warmup_steps": -1}, "warmup_steps"),
-    (schedules.Cosine, {"final_ratio": 1.5}, "final_ratio"),
-    (schedules.StepDecay, {"boundaries": [100, 100]}, "boundaries"),
-    (schedules.StepDecay, {"boundaries": [200, 100]}, "boundaries"),
-    (schedules.StepDecay, {"boundaries": [0]}, "boundaries"),
-    (schedules.StepDecay, {"boundaries": [True]}, "boundaries"),
-    (schedules.StepDecay, {"decay_factor": 0.0}, "decay_factor"),
-    (schedules.StepDecay, {"every_n_steps": -5}, "every_n_steps"),
-    (schedules.StepDecay, {"boundaries": [10], "every_n_steps": 5}, "every_n_steps"),
+    (lr_schedules.LinearWarmupRsqrtDecay, {"warmup_steps": 0}, "warmup_steps"),
+    (lr_schedules.LinearWarmupRsqrtDecay, {"warmup_steps": 10.5}, "warmup_steps"),
+    (lr_schedules.Cosine, {"total_steps": 0}, "total_steps"),
+    (lr_schedules.Cosine, {"total_steps": 100, "warmup_steps": 100}, "warmup_steps"),
+    (lr_schedules.Cosine, {"warmup_steps": -1}, "warmup_steps"),
+    (lr_schedules.Cosine, {"final_ratio": 1.5}, "final_ratio"),
+    (lr_schedules.StepDecay, {"boundaries": [100, 100]}, "boundaries"),
+    (lr_schedules.StepDecay, {"boundaries": [200, 100]}, "boundaries"),
+    (lr_schedules.StepDecay, {"boundaries": [0]}, "boundaries"),
+    (lr_schedules.StepDecay, {"boundaries": [True]}, "boundaries"),
+    (lr_schedules.StepDecay, {"decay_factor": 0.0}, "decay_factor"),
+    (lr_schedules.StepDecay, {"every_n_steps": -5}, "every_n_steps"),
+    (lr_schedules.StepDecay, {"boundaries": [10], "every_n_steps": 5}, "every_n_steps"),
 ])
 def test_validation_errors(cls, overrides, field):
     with pytest.raises(ParamsError) as info:

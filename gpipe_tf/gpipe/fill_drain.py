@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import microbatch, placement, remat
+from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves, is_float, with_float_leaves
 from gpipe_tf.layers.base_layer import FPropContext
 
@@ -90,7 +90,7 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
     """Runs `pipe` (a GPipe layer) over its micro-batches in one placed while loop; see the module doc."""
     k, m = pipe.p.num_stages, pipe.p.num_micro_batches
     devices = pipe.devices
-    use_remat = [remat.stage_uses_remat(pipe.p.remat, s, k) for s in range(k)]
+    use_remat = pipe.plan.remat
     aux_spec = pipe.aux_stats_spec() if ctx.training and ctx.aux is not None else {}
     flat_aux_spec = tf.nest.flatten(aux_spec)
     num_aux = len(flat_aux_spec)

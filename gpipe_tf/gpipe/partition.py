@@ -1,4 +1,6 @@
-"""Partitioning a layer sequence into K contiguous stages: explicit balance or balanced by a cost.
+"""Balancing a layer sequence into K contiguous stages by a cost, and the partition table.
+
+`plan.make_plan` decides which cost (or an explicit balance) applies; this module computes the costs and the split.
 
 Costs come from Params alone (parameter count, estimated flops), so a multi-billion-parameter configuration can be
 partitioned and inspected without allocating it; or from timing each layer once on a sample micro-batch.
@@ -18,13 +20,14 @@ BALANCE_BY = ("params", "flops", "time")
 
 @dataclasses.dataclass
 class StageInfo:
-    """One row of the partition table."""
+    """One row of the partition table; cost is None where an explicit balance needed no costs."""
 
     stage: int
     layers: list[str]
     params: int
+    remat: bool
     device: str
-    cost: float
+    cost: float | None
 
 
 def layer_param_counts(layer_params: Sequence[InstantiableParams]) -> list[int]:
@@ -114,11 +117,13 @@ def time_layers(layers: Sequence[Any], sample: Any, repeats: int = 3) -> list[fl
 
 
 def format_table(rows: Sequence[StageInfo], cost_name: str) -> str:
-    """The partition table as aligned text: stage, layers, params, device, cost."""
-    lines = [f"{'stage':>5}  {'layers':<28} {'params':>14}  {'device':<36} {cost_name:>12}"]
+    """The partition table as aligned text: stage, layers, params, remat, device, cost ('-' without costs)."""
+    lines = [f"{'stage':>5}  {'layers':<28} {'params':>14}  {'remat':<5}  {'device':<36} {cost_name:>12}"]
     for r in rows:
         span = f"{r.layers[0]} .. {r.layers[-1]} ({len(r.layers)})" if len(r.layers) > 1 else r.layers[0]
-        lines.append(f"{r.stage:>5}  {span:<28} {r.params:>14,}  {r.device:<36} {r.cost:>12.4g}")
+        cost = "-" if r.cost is None else f"{r.cost:.4g}"
+        lines.append(f"{r.stage:>5}  {span:<28} {r.params:>14,}  {'yes' if r.remat else 'no':<5}  {r.device:<36} "
+                     f"{cost:>12}")
     total = sum(r.params for r in rows)
     lines.append(f"{'total':>5}  {'':<28} {total:>14,}")
     return "\n".join(lines)

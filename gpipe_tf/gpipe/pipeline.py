@@ -1,9 +1,9 @@
 """The GPipe layer: a layer sequence split into K stages on K devices, run over M micro-batches.
 
-The layer partitions its layers (explicit balance or balanced by a cost), builds each stage's layers on the
-stage's device, and hands one mini-batch at a time to a schedule. Two schedules build GPipe's fill-drain order;
-both keep every stage's weights, weight-gradient sums, stashes and recomputation on the stage's device and send
-only stage-boundary activations and their gradients between devices:
+The layer takes its stage plan (`plan.py`: balance, layer names, costs, remat, devices), builds each stage's
+layers on the stage's device, and hands one mini-batch at a time to a schedule. Two schedules build GPipe's
+fill-drain order; both keep every stage's weights, weight-gradient sums, stashes and recomputation on the stage's
+device and send only stage-boundary activations and their gradients between devices:
 
 * ``fill_drain`` (`fill_drain.py`): one while loop over micro-batches and TensorFlow's gradient of it; graph and
   trace time constant in M.
@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from gpipe_tf.gpipe import fill_drain, microbatch, partition, placement, remat, unrolled_scheduler
+from gpipe_tf.gpipe.plan import StagePlan, make_plan
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.sequential import Sequential
@@ -67,41 +68,24 @@ class GPipe(BaseLayer):
     def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
         super().__init__(params, parent_path)
         p = self.p
-        layers = list(p.layers)
-        num_layers, k = len(layers), p.num_stages
-        if not layers:
-            raise ParamsError(f"{self.path}.layers is empty; give the layer Params to pipeline")
-        if k < 1 or k > num_layers:
-            raise ParamsError(f"{self.path}.num_stages={k} must be between 1 and the number of layers "
-                              f"({num_layers}); use num_stages <= {num_layers}")
         if p.num_micro_batches < 1:
             raise ParamsError(f"{self.path}.num_micro_batches={p.num_micro_batches} must be >= 1")
-        for stage in range(k):
-            remat.stage_uses_remat(p.remat, stage, k)  # validates the policy name
         if p.schedule not in SCHEDULERS:
             raise ParamsError(f"{self.path}.schedule={p.schedule!r} is not one of {tuple(SCHEDULERS)}")
         # D data-parallel replicas (train.num_replicas; the trainer builds the task inside placement.replicas(D)):
         # replica r's stage k on device r*K+k, each with its own gradient sums.
-        self.replica_devices = self._replica_devices(placement.num_replicas())
+        self.plan: StagePlan = make_plan(p, num_replicas=placement.num_replicas(), path=self.path)
+        self.replica_devices = [list(devices) for devices in self.plan.devices]
         self.devices = self.replica_devices[0]
-        self.balance, self.costs, cost_name = self._partition(layers)
         self.replica_scopes = []
         for devices in self.replica_devices:
             pipeline_id = placement.new_pipeline_id()
             self.replica_scopes.append([placement.stage_scope(pipeline_id, s, d) for s, d in enumerate(devices)])
         self.stage_scopes = self.replica_scopes[0]
-        self.stage_layers: list[list[str]] = []
-        start = 0
-        for stage, size in enumerate(self.balance):
-            names = []
+        for stage, names in enumerate(self.plan.stage_layers):
             with tf.device(self.devices[stage]):
-                for j in range(start, start + size):
-                    # Names carry the global index, never the stage: checkpoints and dropout masks do not
-                    # depend on K.
-                    names.append(f"layer_{j}")
-                    self.create_child(names[-1], layers[j])
-            self.stage_layers.append(names)
-            start += size
+                for j, name in zip(self.plan.layer_indices(stage), names):
+                    self.create_child(name, p.layers[j])
         counts = [sum(v.shape.num_elements() for n in names for v in self.children[n].trainable_variables)
                   for names in self.stage_layers]
         # One gradient sum per weight and replica, on the replica's stage device, allocated once: the unrolled
@@ -119,25 +103,22 @@ class GPipe(BaseLayer):
                                  for j, v in enumerate(flat)])
             replica_sums.append(sums)
         object.__setattr__(self, "gradient_sums", replica_sums[0] if replica_sums else [])
+        stage_costs = self.plan.stage_costs()
         self.partition_rows = [
-            partition.StageInfo(stage=s, layers=names, params=counts[s],
+            partition.StageInfo(stage=s, layers=names, params=counts[s], remat=self.plan.remat[s],
                                 device=" ".join(devices[s] for devices in self.replica_devices),
-                                cost=sum(self.costs[int(n.split("_")[1])] for n in names))
+                                cost=None if stage_costs is None else stage_costs[s])
             for s, names in enumerate(self.stage_layers)]
-        self.cost_name = cost_name
 
-    def _replica_devices(self, num_replicas: int) -> list[list[str]]:
-        p, k = self.p, self.p.num_stages
-        if num_replicas < 1:
-            raise ParamsError(f"train.num_replicas={num_replicas} must be >= 1")
-        if p.devices is None:
-            return placement.replica_stage_devices(num_replicas, k, p.device_kind)
-        nested = [list(d) for d in p.devices] if p.devices and not isinstance(p.devices[0], str) else [
-            list(p.devices)]
-        if len(nested) != num_replicas or any(len(d) != k for d in nested):
-            raise ParamsError(f"{self.path}.devices={p.devices!r} must hold one device per stage ({k}), or {k} "
-                              f"devices for each of the {num_replicas} replicas")
-        return nested
+    @property
+    def balance(self) -> list[int]:
+        """Layers per stage, from the plan."""
+        return list(self.plan.balance)
+
+    @property
+    def stage_layers(self) -> list[list[str]]:
+        """Each stage's layer names (``layer_{j}``, j the global index), from the plan."""
+        return [list(names) for names in self.plan.stage_layers]
 
     def replica(self, index: int) -> "GPipe | PipelineReplica":
         """The pipeline as local replica `index` runs it: its own devices, stage scopes and gradient sums."""
@@ -146,33 +127,9 @@ class GPipe(BaseLayer):
                               f"{len(self.replica_devices)} (train.num_replicas)")
         return self if index == 0 else PipelineReplica(self, index)
 
-    def _sample_spec(self) -> tf.TensorSpec:
-        if self.p.micro_batch_shape is None:
-            raise ParamsError(f"{self.path}: balance_by={self.p.balance_by!r} needs micro_batch_shape (the shape "
-                              "of one micro-batch of the first layer's input)")
-        return tf.TensorSpec(self.p.micro_batch_shape, self.p.input_dtype)
-
-    def _partition(self, layers: list[InstantiableParams]) -> tuple[list[int], list[float], str]:
-        p, k = self.p, self.p.num_stages
-        by = p.balance_by
-        if by not in partition.BALANCE_BY:
-            raise ParamsError(f"{self.path}.balance_by={by!r} is not one of {partition.BALANCE_BY}")
-        if by == "params":
-            costs = [float(c) for c in partition.layer_param_counts(layers)]
-        elif by == "flops":
-            costs = partition.layer_flops(layers, self._sample_spec())
-        else:
-            spec = self._sample_spec()
-            sample = tf.zeros(spec.shape, spec.dtype)
-            # Profiling builds throw-away copies of the layers; the real ones are built on their stage devices.
-            costs = partition.time_layers([lp.copy().instantiate() for lp in layers], sample)
-        if p.balance is not None:
-            return partition.check_balance(p.balance, len(layers), k), costs, by
-        return partition.balance_costs(costs, k), costs, by
-
     def partition_table(self) -> str:
-        """The chosen split as text: stage, layers, params, device, cost."""
-        return partition.format_table(self.partition_rows, f"cost({self.cost_name})")
+        """The chosen split as text: stage, layers, params, remat, device, cost."""
+        return partition.format_table(self.partition_rows, f"cost({self.plan.cost_kind or 'none'})")
 
     def _run_stage(self, stage: int, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         out = inputs

@@ -23,7 +23,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import microbatch, placement, remat
+from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves, is_float, with_float_leaves
 from gpipe_tf.layers.base_layer import FPropContext
 
@@ -31,7 +31,7 @@ from gpipe_tf.layers.base_layer import FPropContext
 def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> Any:
     """Runs `pipe` (a GPipe layer) as an unrolled, explicitly placed schedule; see the module doc."""
     k, m = pipe.p.num_stages, pipe.p.num_micro_batches
-    use_remat = [remat.stage_uses_remat(pipe.p.remat, s, k) for s in range(k)]
+    use_remat = pipe.plan.remat
     aux_spec = pipe.aux_stats_spec() if ctx.training and ctx.aux is not None else {}
     flat_inputs = float_leaves(inputs)
     flat_theta = [tf.nest.flatten(t) for t in stage_theta]

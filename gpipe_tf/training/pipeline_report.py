@@ -1,6 +1,7 @@
 """Writes what a run's pipelines look like: partition table and predicted schedule, as files and summaries.
 
-For every GPipe layer in the task: `logdir/partition.txt` (stage, layers, params, device, cost),
+Everything shown comes from each pipeline's stage plan (`GPipe.plan`, the split and remat decisions training uses).
+For every GPipe layer in the task: `logdir/partition.txt` (stage, layers, params, remat, device, cost),
 `logdir/schedule.txt` and `logdir/schedule.png` (the predicted fill-drain timeline with its bubble fraction),
 and the same as TensorBoard text and image summaries in `logdir/train`.
 """
@@ -12,8 +13,9 @@ from typing import Callable
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import remat, timeline
+from gpipe_tf.gpipe import timeline
 from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.training.summaries import SummaryWriter
 
 
@@ -23,14 +25,15 @@ def pipelines(module: tf.Module) -> list[GPipe]:
     return found + [m for m in module.submodules if isinstance(m, GPipe)]
 
 
-def predicted_timeline(pipe: GPipe) -> timeline.Timeline:
-    """The fill-drain timeline predicted from the pipeline's per-stage costs and remat policy."""
-    costs = [max(row.cost, 1e-12) for row in pipe.partition_rows]
-    total = sum(costs)
-    costs = [c / total for c in costs] if total > 0 else [1.0] * len(costs)
-    k = pipe.p.num_stages
-    return timeline.predict(k, pipe.p.num_micro_batches, costs,
-                            remat=[remat.stage_uses_remat(pipe.p.remat, s, k) for s in range(k)])
+def predicted_timeline(plan: StagePlan, num_micro_batches: int) -> timeline.Timeline:
+    """The fill-drain timeline predicted from a stage plan: its per-stage costs (equal stages where an explicit
+    balance computed none) and its per-stage remat decisions."""
+    costs = plan.stage_costs()
+    if costs is not None:
+        costs = [max(c, 1e-12) for c in costs]
+        total = sum(costs)
+        costs = [c / total for c in costs]
+    return timeline.predict(plan.num_stages, num_micro_batches, costs, remat=list(plan.remat))
 
 
 def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: Callable[[str], None]) -> None:
@@ -40,7 +43,7 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
         return
     tables, texts = [], []
     for pipe in pipes:
-        predicted = predicted_timeline(pipe)
+        predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches)
         tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat}\n"
                       + pipe.partition_table())
         texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))

@@ -2,6 +2,13 @@
 
 Nothing is built: counts and shapes come from each layer's `num_params` and `output_spec` classmethods, so a
 multi-billion-parameter configuration is inspected in seconds on any machine.
+
+The stages are the pipeline's stage plan (`gpipe.plan.make_plan`, the function the GPipe layer itself calls), so
+the split and the remat decisions shown are the ones training uses; an invalid pipeline configuration raises the
+error training would. One plan cannot be made without building layers: balance_by='time' with no explicit balance
+times each layer. Then the report lists no stages and its "note" says why (and how to see them), rather than
+showing a split by another cost that training would not use. Devices are not resolved (the inspecting machine need
+not have the run's devices).
 """
 
 from __future__ import annotations
@@ -10,8 +17,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import partition, remat
 from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.plan import StagePlan, TimingRequired, make_plan
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.layers.base_layer import BaseLayer
 
@@ -51,31 +58,34 @@ def _bytes(spec: Any) -> int:
     return sum(s.shape.num_elements() * s.dtype.size for s in tf.nest.flatten(spec))
 
 
-def _stages(pipe: InstantiableParams) -> list[dict[str, Any]]:
+def _layer_params(lp: InstantiableParams) -> int | None:
+    """Trainable parameters of one pipeline layer from its Params, or None where it cannot count them."""
+    try:
+        return int(lp.cls.num_params(lp))
+    except NotImplementedError:
+        return None
+
+
+def _stages(pipe: InstantiableParams, plan: StagePlan) -> list[dict[str, Any]]:
     layers = list(pipe.layers)
-    counts = partition.layer_param_counts(layers)
-    k = pipe.num_stages
-    if pipe.balance is not None:
-        balance = partition.check_balance(pipe.balance, len(layers), k)
-    elif pipe.balance_by == "flops" and pipe.micro_batch_shape is not None:
-        spec = tf.TensorSpec(pipe.micro_batch_shape, pipe.input_dtype)
-        balance = partition.balance_costs(partition.layer_flops(layers, spec), k)
-    else:
-        balance = partition.balance_costs([float(c) for c in counts], k)
     spec = None if pipe.micro_batch_shape is None else tf.TensorSpec(pipe.micro_batch_shape, pipe.input_dtype)
-    stages, start = [], 0
-    for stage, size in enumerate(balance):
-        entry: dict[str, Any] = {"stage": stage, "params": sum(counts[start:start + size]),
-                                 "layers": [f"layer_{j}" for j in range(start, start + size)],
+    stage_costs = plan.stage_costs()
+    stages = []
+    for stage, names in enumerate(plan.stage_layers):
+        stage_layers = [layers[j] for j in plan.layer_indices(stage)]
+        counts = [_layer_params(lp) for lp in stage_layers]
+        entry: dict[str, Any] = {"stage": stage, "params": None if None in counts else sum(counts),
+                                 "layers": list(names), "remat": plan.remat[stage],
+                                 "cost": None if stage_costs is None else stage_costs[stage],
                                  "activation_bytes_estimate": None}
         if spec is not None:
             try:
                 input_bytes, outputs = _bytes(spec), []
-                for lp in layers[start:start + size]:
+                for lp in stage_layers:
                     spec = lp.cls.output_spec(lp, spec)
                     outputs.append(_bytes(spec))
                 m = pipe.num_micro_batches
-                if remat.stage_uses_remat(pipe.remat, stage, k):
+                if plan.remat[stage]:
                     # Inputs of every micro-batch, plus one micro-batch's activations while it is recomputed.
                     entry["activation_bytes_estimate"] = m * input_bytes + sum(outputs)
                 else:
@@ -83,22 +93,27 @@ def _stages(pipe: InstantiableParams) -> list[dict[str, Any]]:
             except NotImplementedError:
                 spec = None
         stages.append(entry)
-        start += size
     return stages
 
 
 def inspect(params: Params) -> dict[str, Any]:
-    """{"model", "total_params", "param_bytes", "stages": [{"stage", "params", "layers",
-    "activation_bytes_estimate"}, ...], "pipeline": path or None}; stages of the first pipeline found."""
+    """{"model", "total_params", "pipeline": path or None, and for the first pipeline found: "num_micro_batches",
+    "remat" (the policy), "balance", "cost_kind", "note", "stages": [{"stage", "params", "layers", "remat", "cost",
+    "activation_bytes_estimate"}, ...]}. Without a plan (see the module doc) "balance" is None, "stages" is empty
+    and "note" says why; otherwise "note" is None. Stage "params" is None where a layer cannot count its own."""
     total = count_params(params.task)
     pipelines = find_pipelines(params.task)
     report: dict[str, Any] = {"model": params.model, "total_params": total, "pipeline": None, "stages": []}
     if pipelines:
         path, pipe = pipelines[0]
-        report["pipeline"] = path
-        report["num_micro_batches"] = pipe.num_micro_batches
-        report["remat"] = pipe.remat
-        report["stages"] = _stages(pipe)
+        report.update(pipeline=path, num_micro_batches=pipe.num_micro_batches, remat=pipe.remat, balance=None,
+                      cost_kind=None, note=None)
+        try:
+            plan = make_plan(pipe, num_replicas=None, measure=None, path=path)
+        except TimingRequired as e:
+            report["note"] = str(e)
+            return report
+        report.update(balance=list(plan.balance), cost_kind=plan.cost_kind, stages=_stages(pipe, plan))
     return report
 
 
@@ -115,12 +130,17 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']}: {report['total_params']:,} trainable parameters "
              f"({_human(report['total_params'] * 4)} in float32)"]
     if report["stages"]:
+        balanced = "explicit balance" if report["cost_kind"] is None else f"balanced by {report['cost_kind']}"
         lines.append(f"pipeline {report['pipeline']}: K={len(report['stages'])} M={report['num_micro_batches']} "
-                     f"remat={report['remat']}")
-        lines.append(f"{'stage':>5}  {'params':>16}  {'activations (est.)':>18}  layers")
+                     f"remat={report['remat']}, {balanced}")
+        lines.append(f"{'stage':>5}  {'params':>16}  {'remat':<5}  {'activations (est.)':>18}  layers")
         for s in report["stages"]:
             act = s["activation_bytes_estimate"]
             act_text = "-" if act is None else _human(act)
+            params_text = "-" if s["params"] is None else f"{s['params']:,}"
             span = f"{s['layers'][0]} .. {s['layers'][-1]}" if len(s["layers"]) > 1 else s["layers"][0]
-            lines.append(f"{s['stage']:>5}  {s['params']:>16,}  {act_text:>18}  {span}")
+            lines.append(f"{s['stage']:>5}  {params_text:>16}  {'yes' if s['remat'] else 'no':<5}  {act_text:>18}  "
+                         f"{span}")
+    elif report.get("note"):
+        lines.append(f"pipeline {report['pipeline']}: no stages shown. {report['note']}")
     return "\n".join(lines)

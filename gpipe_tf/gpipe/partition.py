@@ -86,15 +86,6 @@ def balance_costs(costs: Sequence[float], num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    """Validates an explicit balance (layers per stage)."""
-    balance = [int(b) for b in balance]
-    if len(balance) != num_stages or any(b < 1 for b in balance) or sum(balance) != num_layers:
-        raise ParamsError(f"balance={balance} must have num_stages={num_stages} positive entries summing to the "
-                          f"number of layers ({num_layers}), e.g. {balance_costs([1.0] * num_layers, num_stages)}")
-    return balance
-
-
 def time_layers(layers: Sequence[Any], sample: Any, repeats: int = 3) -> list[float]:
     """Median forward time of each built layer on `sample` (a micro-batch), run in order as a chain."""
     import time

@@ -1,8 +1,8 @@
 """The fill-drain schedule as one while loop: a graph constant in M, every stage's state on its own device.
 
 Forward: one `tf.while_loop` over micro-batches; its body runs stage 0, 1, ..., K-1 on micro-batch i, each under
-its stage's device and name scope, and up to `parallel_iterations` (default K) micro-batches are in flight, which
-gives GPipe's fill. Backward: TensorFlow's gradient of that loop, a second loop that starts once the whole output
+its stage's device and name scope. Each device runs its part of the loop on its own, so stage 0 starts micro-batch
+i+1 while stage 1 runs micro-batch i, which gives GPipe's fill (`parallel_iterations`, default 1, is per device). Backward: TensorFlow's gradient of that loop, a second loop that starts once the whole output
 gradient exists (all forwards, then all backwards, micro-batches in reverse), so the graph does not grow with M.
 
 Where things live, and why (checked on the placed graph, `tests/test_pipeline.py`):
@@ -163,7 +163,7 @@ def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> An
                 # the backward loop that starts from the zeros below, on the stage's device, and sums there.
                 _, _, weights_out, *state = tf.while_loop(
                     lambda i, *_: i < m, body, (*counters, tuple(tuple(ws) for ws in thetas), *aux_zeros, *arrays),
-                    parallel_iterations=pipe.p.parallel_iterations or k)
+                    parallel_iterations=pipe.p.parallel_iterations)
             with tf.device(devices[-1]):
                 flat_out = [microbatch.merge(a.stack()) for a in state[num_aux:]]
         if aux_spec:

@@ -117,7 +117,10 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
     from gpipe_tf import workers
 
     schedules = ("unrolled", "fill_drain")
-    if args.quick:
+    if args.compare:
+        configs = [("transformer", 2, 8, r, sch) for r in ("never", "always") for sch in schedules]
+        compile_ms = []
+    elif args.quick:
         configs = [("transformer", 1, m, r, "unrolled") for m in (1, 8) for r in ("never", "always")]
         configs += [("transformer", 2, 8, r, sch) for r in ("never", "always") for sch in schedules]
         compile_ms = [4, 32]
@@ -153,20 +156,20 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                         times[config].append(time.perf_counter() - start)
             print(f"# repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
         median = {c: statistics.median(t) for c, t in times.items()}
-        base = median[("transformer", 1, 1, "never", "unrolled")]
+        base = median.get(("transformer", 1, 1, "never", "unrolled"))
         for (workload, k, m, remat, schedule), t in median.items():
             same_m = median.get((workload, 1, m, remat, "unrolled"))
             no_remat = median.get((workload, k, m, "never", schedule))
             rows.append(dict(
                 workload=workload, schedule=schedule, k=k, m=m, remat=remat, step_time_s=round(t, 4),
-                efficiency=round(base / (k * t), 3) if workload == "transformer" else None,
+                efficiency=round(base / (k * t), 3) if workload == "transformer" and base else None,
                 efficiency_same_m=round(same_m / (k * t), 3) if same_m else None,
                 efficiency_bound=round(m / (m + k - 1), 3),
                 remat_cost=round(t / no_remat, 3) if no_remat else None,
                 peak_memory_mb=None, compile_s=round(compile_s[(workload, k, m, remat, schedule)], 2),
                 flops_fraction=round(steps[(workload, k, m, remat, schedule)][2] / t / (k * peak), 3)))
         # The unrolled schedule's trace grows with M (minutes at M=32), so --quick measures fill_drain only.
-        for schedule in ("fill_drain",) if args.quick else ("fill_drain", "unrolled"):
+        for schedule in ("fill_drain",) if args.quick or args.compare else ("fill_drain", "unrolled"):
             for m in compile_ms:
                 step, x, _ = build_step("transformer", 2, m, "never", devices, schedule)
                 start = time.perf_counter()
@@ -252,9 +255,12 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     step = {(r["workload"], r["k"], r["m"], r["remat"], r["schedule"]): r for r in rows if r["step_time_s"]}
     for remat in ("never", "always"):
         a, b = step.get(("transformer", 2, 8, remat, "fill_drain")), step.get(("transformer", 2, 8, remat, "unrolled"))
-        if a and b:
+        if a and b and a["efficiency"] is not None:
             out.append(f"E(2,8) remat={remat}: fill_drain {a['efficiency']} vs unrolled {b['efficiency']} "
                        f"(bound {a['efficiency_bound']})")
+        if a and b:
+            out.append(f"workload (a) K=2 M=8 remat={remat} step fill_drain / unrolled: "
+                       f"{a['step_time_s'] / b['step_time_s']:.2f}")
     a, b = step.get(("heavy", 2, 8, "never", "fill_drain")), step.get(("heavy", 2, 8, "never", "unrolled"))
     if a and b:
         out.append(f"weight-heavy step fill_drain / unrolled: {a['step_time_s'] / b['step_time_s']:.2f}")
@@ -268,6 +274,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds over all configurations")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per configuration and round")
     parser.add_argument("--skip-memory", action="store_true", help="speed only")
+    parser.add_argument("--compare", action="store_true", help="the two schedules side by side only: K=2, M=8 on "
+                        "workload (a) with and without remat and on the weight-heavy workload (no memory part)")
     parser.add_argument("--skip-speed", action="store_true", help="memory only (one process, no workers)")
     parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dxk", action="store_true", help="D x K mode instead: throughput of D=2,K=1 / D=1,K=2 / "
@@ -279,7 +287,7 @@ def main() -> None:
     if args.memory_worker:
         memory_worker(args.quick)
         return
-    rows = [] if args.skip_memory else memory(args)
+    rows = [] if args.skip_memory or args.compare else memory(args)
     for row in rows:
         print(json.dumps(row), flush=True)
     for row in [] if args.skip_speed else speed(args):

@@ -72,18 +72,36 @@ def stage_op(fn: Callable[[Sequence[tf.Tensor], Any], Any], weights: Sequence[tf
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             with tf.device(device):
-                local_tape, local_x, local_y = tape, fresh, float_y
-                if recompute:
-                    with tf.control_dependencies(dys):
-                        local_y, local_tape, local_x = forward([tf.identity(t) for t in xs])
-                    local_y = float_leaves(local_y)
-                return local_tape.gradient(local_y, list(local_x) + ws, output_gradients=list(dys),
-                                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                if not recompute:
+                    return tape.gradient(float_y, list(fresh) + ws, output_gradients=list(dys),
+                                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                with tf.control_dependencies(dys):  # recompute only once the output gradient has arrived
+                    local_x = [tf.identity(t) for t in xs]
+                    local_w = [tf.identity(w) for w in ws]
+                if tf.executing_eagerly():
+                    local_y, local_tape, local_x = forward(local_x)
+                    return local_tape.gradient(float_leaves(local_y), list(local_x) + ws, output_gradients=list(dys),
+                                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                local_y = float_leaves(fn(local_w, with_float_leaves(inputs, local_x) if input_gradient else inputs))
+                return symbolic_gradients(local_y, local_x + local_w, list(dys))
 
         return float_y, grad
 
     float_out = op(*floats, *weights)
     return with_float_leaves(structure[0], float_out)
+
+
+def symbolic_gradients(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
+                       dys: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """d(ys)/d(xs) given the gradients `dys` of `ys`, built symbolically in graph mode (a tape when eager).
+
+    Inside a backward while loop, a `tf.GradientTape` opened to record the recomputation made TensorFlow keep
+    every iteration's weight gradients in the loop (one stage's weights' worth of memory per micro-batch,
+    measured); `tf.gradients` builds the same gradient without that.
+    """
+    if tf.executing_eagerly():
+        raise NotImplementedError("eager: record the recomputation on a tf.GradientTape instead")
+    return tf.gradients(list(ys), list(xs), grad_ys=list(dys), unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
 
 def run(pipe: Any, stage_theta: list[Any], inputs: Any, ctx: FPropContext) -> Any:

@@ -220,7 +220,8 @@ def test_a_changed_batch_size_on_resume_is_refused_up_front(run_copy):
 
 
 def test_pipeline_layout_changes_across_resumes_match_one_uninterrupted_run(tmp_path):
-    """K=2 -> K=1 -> K=4 (schedule unrolled -> loop, remat always -> never) and M=4 -> M=2: float64, no dropout."""
+    """K=2 -> K=1 -> K=4 (schedule Unrolled -> FillDrain, remat always -> never) and M=4 -> M=2: float64, no
+    dropout."""
     model = "toy.classifier.BlobsMlpGPipe"
     common = ["--gin_param=BlobsMlpGPipe.dtype='float64'", "--gin_param=BlobsMlpGPipe.dropout_rate=0.0", "--quiet"]
     every_4 = "--params=train.save_interval_steps=4"
@@ -228,10 +229,11 @@ def test_pipeline_layout_changes_across_resumes_match_one_uninterrupted_run(tmp_
     assert reference.returncode == 0, reference.stderr[-3000:]
     logdir = tmp_path / "changed"
     segments = [
-        (4, ["--gin_param=BlobsMlpGPipe.num_stages=2", "--gin_param=BlobsMlpGPipe.num_micro_batches=4"], None),
+        (4, ["--gin_param=BlobsMlpGPipe.num_stages=2", "--gin_param=BlobsMlpGPipe.num_micro_batches=4"],
+         "task.network.schedule.cls=gpipe_tf.gpipe.unrolled.Unrolled"),
         (8, ["--gin_param=BlobsMlpGPipe.num_stages=1", "--gin_param=BlobsMlpGPipe.num_micro_batches=4"], None),
         (12, ["--gin_param=BlobsMlpGPipe.num_stages=4", "--gin_param=BlobsMlpGPipe.num_micro_batches=2",
-              "--gin_param=BlobsMlpGPipe.remat='never'"], "task.network.schedule='fill_drain'"),
+              "--gin_param=BlobsMlpGPipe.remat='never'"], "task.network.schedule.parallel_iterations=2"),
     ]
     for max_steps, knobs, extra in segments:
         params = every_4 + ("," + extra if extra else "")

@@ -1,15 +1,16 @@
 """The GPipe layer: a layer sequence split into K stages on K devices, run over M micro-batches.
 
 The layer takes its stage plan (`plan.py`: balance, layer names, costs, remat, devices), builds each stage's
-layers on the stage's device, and hands one mini-batch at a time to a schedule. Two schedules build GPipe's
-fill-drain order; both keep every stage's weights, weight-gradient sums, stashes and recomputation on the stage's
-device and send only stage-boundary activations and their gradients between devices:
+layers on the stage's device, and hands one mini-batch at a time to its schedule as plain data (`PipelineJob`,
+`schedule_base.py`). Two schedules build GPipe's fill-drain order; both keep every stage's weights, weight-gradient
+sums, stashes and recomputation (`remat.py`) on the stage's device and send only stage-boundary activations and
+their gradients between devices:
 
-* ``fill_drain`` (`fill_drain.py`): one while loop over micro-batches and TensorFlow's gradient of it; graph and
-  trace time constant in M.
-* ``unrolled`` (`unrolled_scheduler.py`): every (stage, micro-batch) step is its own op group with an explicit
-  backward order; the graph grows with M, but on single-thread TF workers its backward overlaps the stages
-  better (README "How the pipeline works" has the figures).
+* `FillDrain` (`fill_drain.py`, the default): one while loop over micro-batches and TensorFlow's gradient of it;
+  graph and trace time constant in M.
+* `Unrolled` (`unrolled.py`): every (stage, micro-batch) step is its own op group with an explicit backward
+  order; the graph grows with M, but on single-thread TF workers its backward overlaps the stages better
+  without remat (README "How the pipeline works" has the figures).
 
 Randomness: micro-batch i runs with the step's seed folded with i; each layer folds in its own id, derived from
 its global index in the sequence, so masks do not depend on K and recomputation repeats them.
@@ -17,26 +18,41 @@ its global index in the sequence, so masks do not depend on K and recomputation 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import fill_drain, microbatch, partition, placement, remat, unrolled_scheduler
+from gpipe_tf.gpipe import microbatch, partition, placement, remat
+from gpipe_tf.gpipe.fill_drain import FillDrain
+from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves
 from gpipe_tf.gpipe.plan import StagePlan, make_plan
+from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule
+from gpipe_tf.gpipe.unrolled import Unrolled
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.sequential import Sequential
 
+# Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its
+# class's default Params.
+SCHEDULES: dict[str, type[Schedule]] = {"fill_drain": FillDrain, "unrolled": Unrolled}
 
-SCHEDULERS = {"unrolled": unrolled_scheduler.run, "fill_drain": fill_drain.run}
+
+def schedule_params(value: Any, path: str = "") -> InstantiableParams:
+    """The schedule Params a GPipe `schedule` field stands for: Params of a `Schedule` class, or a short name."""
+    if isinstance(value, str) and value in SCHEDULES:
+        return SCHEDULES[value].params()
+    if isinstance(value, InstantiableParams) and isinstance(value.cls, type) and issubclass(value.cls, Schedule):
+        return value
+    raise ParamsError(f"{path}.schedule={value!r} is not a schedule: use Params of a Schedule class, e.g. "
+                      f"FillDrain.params() or Unrolled.params(), or one of the names {tuple(SCHEDULES)}")
 
 
 class GPipe(BaseLayer):
     """Runs `layers` as a K-stage pipeline over M micro-batches; numerically the same as running them in order."""
 
-    # Gradient accumulators are scratch space, not model state: kept out of checkpoints and variable lists.
-    _TF_MODULE_IGNORED_PROPERTIES = (frozenset(("gradient_sums", "replica_gradient_sums"))
-                                     | BaseLayer._TF_MODULE_IGNORED_PROPERTIES)
+    # The schedule's state (e.g. gradient sums) is scratch space, not model state: kept out of checkpoints and
+    # variable lists.
+    _TF_MODULE_IGNORED_PROPERTIES = frozenset(("schedule",)) | BaseLayer._TF_MODULE_IGNORED_PROPERTIES
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -55,16 +71,13 @@ class GPipe(BaseLayer):
         p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
         p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "
                  "overrides device_kind.")
-        p.define("schedule", "fill_drain", f"How the fill-drain schedule is built: one of {tuple(SCHEDULERS)}. "
-                 "'fill_drain' (default): one while loop over micro-batches; graph and trace time constant in M, "
-                 "each stage's state on its device. 'unrolled': every (stage, micro-batch) step is its own op "
-                 "group; the graph grows with M x layers (README 'How the pipeline works' compares them).")
+        p.define("schedule", FillDrain.params(), "The schedule's Params: FillDrain.params() (default; one while "
+                 "loop over micro-batches, graph and trace time constant in M) or Unrolled.params() (every "
+                 "(stage, micro-batch) step its own op group; the graph grows with M x layers). A name from "
+                 f"{tuple(SCHEDULES)} stands for that class's defaults. README 'How the pipeline works' compares them.")
         p.define("input_gradients", "auto", "Compute the gradient of the pipeline's input? 'auto': only if the "
                  "input is computed from variables (a data batch needs none); True when you watch the input "
                  "yourself (e.g. saliency maps).")
-        p.define("parallel_iterations", 1, "schedule='fill_drain': loop iterations (micro-batches) each device runs at "
-                 "once. 1 (default): a stage works on one micro-batch at a time while the other stages work on "
-                 "theirs; higher values measured no faster on single-thread workers and use more memory.")
         return p
 
     def __init__(self, params: InstantiableParams, parent_path: str = "") -> None:
@@ -72,11 +85,7 @@ class GPipe(BaseLayer):
         p = self.p
         if p.num_micro_batches < 1:
             raise ParamsError(f"{self.path}.num_micro_batches={p.num_micro_batches} must be >= 1")
-        if p.schedule not in SCHEDULERS:
-            raise ParamsError(f"{self.path}.schedule={p.schedule!r} is not one of {tuple(SCHEDULERS)}")
-        if not isinstance(p.parallel_iterations, int) or p.parallel_iterations < 1:
-            raise ParamsError(f"{self.path}.parallel_iterations={p.parallel_iterations!r} must be a whole number "
-                              ">= 1; use 1 (the default)")
+        schedule: Schedule = schedule_params(p.schedule, self.path).instantiate(self.path)
         # D data-parallel replicas (train.num_replicas; the trainer builds the task inside placement.replicas(D)):
         # replica r's stage k on device r*K+k, each with its own gradient sums.
         self.plan: StagePlan = make_plan(p, num_replicas=placement.num_replicas(), path=self.path)
@@ -93,21 +102,9 @@ class GPipe(BaseLayer):
                     self.create_child(name, p.layers[j])
         counts = [sum(v.shape.num_elements() for n in names for v in self.children[n].trainable_variables)
                   for names in self.stage_layers]
-        # One gradient sum per weight and replica, on the replica's stage device, allocated once: the unrolled
-        # schedule adds each micro-batch's weight gradient into it in place (fill_drain sums in loop variables).
-        replica_sums: list[list[list[tf.Variable]]] = []
-        # object.__setattr__ bypasses checkpoint tracking; the ignored-properties set hides them from .variables.
-        object.__setattr__(self, "replica_gradient_sums", replica_sums)
-        for r, devices in enumerate(self.replica_devices if p.schedule == "unrolled" else []):
-            sums = []
-            for stage, names in enumerate(self.stage_layers):
-                with tf.device(devices[stage]):
-                    flat = tf.nest.flatten({n: self.children[n].theta for n in names})
-                    sums.append([tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                             name=f"{self.path}/gradient_sum_{r}_{stage}_{j}")
-                                 for j, v in enumerate(flat)])
-            replica_sums.append(sums)
-        object.__setattr__(self, "gradient_sums", replica_sums[0] if replica_sums else [])
+        schedule.allocate(self.plan, [tf.nest.flatten({n: self.children[n].theta for n in names})
+                                      for names in self.stage_layers])
+        object.__setattr__(self, "schedule", schedule)  # not tracked: see _TF_MODULE_IGNORED_PROPERTIES
         stage_costs = self.plan.stage_costs()
         self.partition_rows = [
             partition.StageInfo(stage=s, layers=names, params=counts[s], remat=self.plan.remat[s],
@@ -125,12 +122,10 @@ class GPipe(BaseLayer):
         """Each stage's layer names (``layer_{j}``, j the global index), from the plan."""
         return [list(names) for names in self.plan.stage_layers]
 
-    def replica(self, index: int) -> "GPipe | PipelineReplica":
-        """The pipeline as local replica `index` runs it: its own devices, stage scopes and gradient sums."""
+    def _check_replica(self, index: int) -> None:
         if not 0 <= index < len(self.replica_devices):
             raise ParamsError(f"{self.path}: replica {index} does not exist; this pipeline was built with "
                               f"{len(self.replica_devices)} (train.num_replicas)")
-        return self if index == 0 else PipelineReplica(self, index)
 
     def partition_table(self) -> str:
         """The chosen split as text: stage, layers, params, remat, device, cost."""
@@ -170,15 +165,35 @@ class GPipe(BaseLayer):
 
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         """Runs the pipeline on a mini-batch (any nested structure with a common leading batch dimension)."""
-        microbatch.check_divisible(inputs, self.p.num_micro_batches)
-        pipe = self.replica(placement.current_replica())
+        p = self.p
+        size = microbatch.check_divisible(inputs, p.num_micro_batches) // p.num_micro_batches
+        replica = placement.current_replica()
+        self._check_replica(replica)
+        devices = self.replica_devices[replica]
         # Weights are read once per step on their stage's device and enter the schedule as tensors.
         stage_theta = []
         for stage, names in enumerate(self.stage_layers):
-            with tf.device(pipe.devices[stage]):
+            with tf.device(devices[stage]):
                 stage_theta.append({n: tf.nest.map_structure(tf.identity, theta[n]) for n in names})
-        scheduler = SCHEDULERS[self.p.schedule]
-        return scheduler(pipe, stage_theta, inputs, ctx)
+
+        def run_stage(stage: int, weights: Sequence[tf.Tensor], x: Any, micro_ctx: FPropContext) -> Any:
+            return self._run_stage(stage, tf.nest.pack_sequence_as(stage_theta[stage], list(weights)), x, micro_ctx)
+
+        wanted = p.input_gradients
+        job = PipelineJob(
+            plan=self.plan, num_micro_batches=p.num_micro_batches, replica=replica, devices=tuple(devices),
+            stage_scopes=tuple(self.replica_scopes[replica]),
+            stage_weights=tuple(tuple(tf.nest.flatten(t)) for t in stage_theta), run_stage=run_stage,
+            micro_batch_context=lambda index, collect_aux: self.micro_batch_context(ctx, index, collect_aux),
+            aux_spec=self.aux_stats_spec() if ctx.training and ctx.aux is not None else {},
+            input_gradient=(depends_on_variables(float_leaves(inputs)) if wanted == "auto" else bool(wanted)),
+            output_spec=self._output_structure(
+                tf.nest.map_structure(lambda t: tf.TensorSpec([size] + t.shape[1:], t.dtype), inputs))
+            if self.schedule.needs_output_spec else None)
+        outputs, aux = self.schedule.run(job, inputs)
+        if aux is not None:
+            ctx.aux.update(aux)
+        return outputs
 
     # Costs from Params alone are those of the same layers run in sequence.
     @classmethod
@@ -195,18 +210,3 @@ class GPipe(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
         """Sum of the layers' flops."""
         return Sequential.flops(p, input_spec)
-
-
-class PipelineReplica:
-    """A GPipe layer seen as one of its data-parallel replicas: the same layers and weights, run on the replica's
-    own devices with its own stage scopes and gradient sums (what the schedulers read)."""
-
-    def __init__(self, pipe: GPipe, index: int) -> None:
-        self._pipe = pipe
-        self.index = index
-        self.devices = pipe.replica_devices[index]
-        self.stage_scopes = pipe.replica_scopes[index]
-        self.gradient_sums = pipe.replica_gradient_sums[index] if pipe.replica_gradient_sums else []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pipe, name)

@@ -45,7 +45,8 @@ def check_writable(logdir: str, what: str = "--logdir") -> None:
 def _is_math_neutral(diff_line: str) -> bool:
     """Whether a Params.diff line ('a.b.c: x -> y') is about a MATH_NEUTRAL_FIELDS field."""
     path = diff_line.split(": ", 1)[0].removeprefix("only in self").removeprefix("only in other").strip(": ")
-    return path.rsplit(".", 1)[-1].split("[", 1)[0] in MATH_NEUTRAL_FIELDS
+    # Any component: a nested pipeline field (task.network.schedule.parallel_iterations) is as neutral as it.
+    return any(part.split("[", 1)[0] in MATH_NEUTRAL_FIELDS for part in path.split("."))
 
 
 def _incompatible_fields(old: Params, new: Params) -> list[str]:

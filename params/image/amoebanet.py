@@ -27,7 +27,7 @@ class AmoebaNetBase(Experiment):
     num_stages = 2
     num_micro_batches = 4
     remat = "except_last"
-    schedule = "fill_drain"
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
     dropout_rate = 0.5
     drop_path_keep_prob = 1.0
     label_smoothing = 0.1
@@ -49,7 +49,7 @@ class AmoebaNetBase(Experiment):
         """ClassifierTask(GPipe(AmoebaNet layers), softmax)."""
         import tensorflow as tf
 
-        from gpipe_tf.gpipe.pipeline import GPipe
+        from gpipe_tf.gpipe.pipeline import GPipe, schedule_params
         from gpipe_tf.layers.sequential import Sequential
         from gpipe_tf.tasks.classifier import ClassifierTask
 
@@ -59,7 +59,8 @@ class AmoebaNetBase(Experiment):
         p = ClassifierTask.params().set(name="classifier")
         p.network = GPipe.params().set(layers=layers, num_stages=self.num_stages,
                                        num_micro_batches=self.num_micro_batches, remat=self.remat,
-                                       schedule=self.schedule, micro_batch_shape=micro, balance_by="flops")
+                                       schedule=schedule_params(self.schedule), micro_batch_shape=micro,
+                                       balance_by="flops")
         p.softmax.set(input_dim=int(features.shape[-1]), num_classes=self.num_classes,
                       label_smoothing=self.label_smoothing)
         return p

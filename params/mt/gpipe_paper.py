@@ -60,7 +60,7 @@ class _MultilingualLadder(NumbersTiny):
     num_stages = 1
     num_micro_batches = 1
     remat = "always"
-    schedule = "fill_drain"
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
     dtype = "float32"
     logical_devices = None
 
@@ -210,13 +210,13 @@ class _TransformerL(TfdsLanguageModelInputs, NumbersTiny):
     num_stages = 1
     num_micro_batches = 1
     remat = "never"
-    schedule = "fill_drain"
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
     dtype = "float32"
     logical_devices = None
 
     def task(self) -> InstantiableParams:
         """The ClassifierTask described in the class doc."""
-        from gpipe_tf.gpipe.pipeline import GPipe
+        from gpipe_tf.gpipe.pipeline import GPipe, schedule_params
         from gpipe_tf.layers.normalization import LayerNorm
         from gpipe_tf.layers.positions import TokenEmbeddingWithPositions
         from gpipe_tf.layers.transformer import TransformerEncoderLayer
@@ -231,7 +231,7 @@ class _TransformerL(TfdsLanguageModelInputs, NumbersTiny):
         layers.append(LayerNorm.params().set(name="final_norm", dim=self.model_dim))
         network = GPipe.params().set(
             name="network", layers=layers, num_stages=self.num_stages, num_micro_batches=self.num_micro_batches,
-            remat=self.remat, schedule=self.schedule)
+            remat=self.remat, schedule=schedule_params(self.schedule))
         p = ClassifierTask.params().set(name="transformer_l", dtype=self.dtype, network=network)
         p.softmax.set(input_dim=self.model_dim, num_classes=self.vocab_size, label_smoothing=self.label_smoothing)
         return p

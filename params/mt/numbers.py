@@ -39,11 +39,12 @@ class NumbersTiny(Experiment):
     num_stages = 2
     num_micro_batches = 4
     remat = "never"
-    schedule = "fill_drain"
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
     logical_devices = 4
 
     def task(self) -> InstantiableParams:
         """The TranslationTask with this experiment's sizes and pipeline settings."""
+        from gpipe_tf.gpipe.pipeline import schedule_params
         from gpipe_tf.tasks.translation import TranslationTask
 
         p = TranslationTask.params().set(
@@ -55,7 +56,7 @@ class NumbersTiny(Experiment):
         # (task.network.num_stages=...) see it.
         p.network = TranslationTask.network_params(
             p, num_stages=self.num_stages, num_micro_batches=self.num_micro_batches, remat=self.remat,
-            schedule=self.schedule)
+            schedule=schedule_params(self.schedule))
         return p
 
     def _input(self, split: str, num_batches: int | None) -> InstantiableParams:

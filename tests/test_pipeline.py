@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.unrolled import Unrolled
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.dropout import Dropout
@@ -162,6 +164,46 @@ def test_bad_balance_and_policy_are_errors():
         build(mlp_layers("float32", depth=4), "float32", 2, 1, balance=[1, 1])
     with pytest.raises(ParamsError, match="remat='sometimes' is not one of"):
         build(mlp_layers("float32", depth=4), "float32", 2, 1, remat="sometimes")
+
+
+def test_schedule_is_configured_by_params_and_bad_values_are_errors():
+    x = tf.constant(np.random.RandomState(3).randn(BATCH, 6).astype("float32"))
+    reference = loss_and_grads(build(mlp_layers("float32", depth=4), "float32"), x)
+    tuned = FillDrain.params().set(parallel_iterations=2)
+    for schedule in (tuned, Unrolled.params(), "unrolled"):
+        layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, "always", schedule=schedule)
+        assert isinstance(layer.schedule, (FillDrain, Unrolled))
+        assert_same(loss_and_grads(layer, x), reference, rtol=1e-5, atol=1e-6)
+    assert build(mlp_layers("float32", depth=4), "float32", 2, 4, schedule=tuned).schedule.p.parallel_iterations == 2
+    with pytest.raises(ParamsError, match=r"schedule='loop' is not a schedule: .*FillDrain.params\(\).*'fill_drain'"):
+        build(mlp_layers("float32", depth=4), "float32", 2, 1, schedule="loop")
+    with pytest.raises(ParamsError, match=r"parallel_iterations=0 must be a whole number >= 1"):
+        build(mlp_layers("float32", depth=4), "float32", 2, 1, schedule=FillDrain.params().set(parallel_iterations=0))
+
+
+@pytest.mark.parametrize("remat", ["never", "always"])
+def test_fill_drain_backward_loop_keeps_nothing_per_micro_batch(remat):
+    """The backward loop must not stash tensors per iteration: that would keep every micro-batch's weight
+    gradients alive to the end of the loop (memory growing with M, as a GradientTape inside it once did)."""
+    layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, remat, schedule="fill_drain")
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec([BATCH, 6])).graph
+    pushes = {}
+    for op in graph.get_operations():
+        if op.type in ("While", "StatelessWhile"):
+            body = graph._get_function(op.get_attr("body").name).graph
+            pushes[op.name] = [o.inputs[1].name for o in body.get_operations() if o.type == "TensorListPushBack"]
+    forward = [name for name in pushes if not name.endswith("_grad")]
+    backward = [name for name in pushes if name.endswith("_grad")]
+    assert len(forward) == 1 and len(backward) == 1, list(pushes)
+    assert pushes[forward[0]], "the forward loop stashes what the backward needs"
+    assert pushes[backward[0]] == [], pushes[backward[0]]
 
 
 def _count_ops(graph):

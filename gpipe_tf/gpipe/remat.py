@@ -14,10 +14,10 @@ gradient to every argument. For a stage's weights that is a full copy of them pe
 `bench.pipeline`'s memory workload (K=2, M=8) its peak step memory was 316 MiB against 252 MiB here. Ordering
 by control dependencies on identities costs nothing.
 
-Why `tf.gradients` rather than a tape for the recomputation (in graph mode): inside the fill_drain backward
-loop, a `tf.GradientTape` opened there made TensorFlow keep every iteration's weight gradients in the loop (one
-stage's weights' worth of memory per micro-batch, measured: peak memory grew with M); `tf.gradients` builds the
-same gradient without that. Eagerly (the unrolled schedule outside `tf.function`) a tape is the only way.
+Why the recomputation differentiates with respect to copies of the weights made in the backward pass: inside the
+fill_drain backward loop, a gradient with respect to the forward loop's own weight tensors made TensorFlow keep
+every iteration's weight gradients until the loop ended (one stage's weights' worth of memory per micro-batch,
+measured: peak memory grew with M; `tests/test_pipeline.py` checks that the backward loop stashes nothing).
 """
 
 from __future__ import annotations
@@ -89,15 +89,12 @@ class StageForward:
             return grads[:len(self.xs)], grads[len(self.xs):]
         with tf.control_dependencies(list(after) + dys):
             xs = [tf.identity(t) for t in self._input_floats()]
+            # Copies made here: differentiating with respect to the forward pass's own weight tensors made
+            # TensorFlow keep every micro-batch's weight gradients in the fill_drain backward loop.
             weights = [tf.identity(w) for w in self.weights]
-        if tf.executing_eagerly():
-            out, tape, xs = self._recorded(weights, xs)
-            grads = tape.gradient(float_leaves(out), xs + weights, output_gradients=dys,
-                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        else:
-            out = self.fn(weights, with_float_leaves(self.inputs, xs) if self.input_gradient else self.inputs)
-            grads = tf.gradients(float_leaves(out), xs + weights, grad_ys=dys,
-                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        out, tape, xs = self._recorded(weights, xs)
+        grads = tape.gradient(float_leaves(out), xs + weights, output_gradients=dys,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return grads[:len(xs)], grads[len(xs):]
 
 

@@ -194,6 +194,8 @@ def _gradient_device(op: tf.Operation, counters: str = "", condition: str = "") 
         device = _tensor_device(tensor)
         if device:
             return device
+    if condition and op.outputs and all(t.dtype in (tf.int32, tf.int64, tf.bool) for t in op.outputs):
+        return condition  # the gradient loop's counter and condition: beside its While op, waiting for no stage
     return counters
 
 
@@ -209,9 +211,10 @@ def colocate_gradients(counters: str = "", condition: str = "") -> Iterator[None
     """Places gradient ops built in this context on their pipeline stage's device (graph mode; eager: no-op).
 
     For the gradient of a loop built with `loop_device(counters, condition)`: `condition` is the device of the
-    gradient loop's While op, `counters` that of gradient ops with no stage and no placed input (the gradient
-    loop's counter; the incoming gradient of each loop variable, e.g. of the output TensorArrays, which is an op
-    with no device and no placed input). Empty: TensorFlow's default device.
+    gradient loop's While op, and of its integer and boolean ops with no stage and no placed input (its counter
+    and condition, so that no stage has to answer before the next micro-batch's backward); `counters` that of
+    the other gradient ops with no stage and no placed input (the incoming gradient of each loop variable, e.g.
+    of the output TensorArrays). Empty: TensorFlow's default device.
     """
     if tf.executing_eagerly():
         yield

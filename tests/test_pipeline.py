@@ -370,8 +370,8 @@ def test_checkpoints_do_not_depend_on_k_or_schedule(tmp_path):
     assert not any("gradient_sum" in name for name, _ in tf.train.list_variables(path))
 
 
-class Duplicate(BaseLayer):
-    """Test layer: x -> (tanh(x W), tanh(x W)), the same tensor twice; then a layer consuming the pair."""
+class SquareWeight(BaseLayer):
+    """Test layer base: one [dim, dim] weight "w"; subclasses define fprop."""
 
     @classmethod
     def params(cls):
@@ -383,15 +383,19 @@ class Duplicate(BaseLayer):
         super().__init__(params, parent_path)
         self.create_variable("w", [self.p.dim, self.p.dim])
 
+    @classmethod
+    def num_params(cls, p):
+        return p.dim * p.dim
+
+
+class Duplicate(SquareWeight):
+    """Test layer: x -> (tanh(x W), tanh(x W)), the same tensor twice; then a layer consuming the pair."""
+
     def fprop(self, theta, inputs, ctx):
         if isinstance(inputs, tuple):
             inputs = inputs[0] * 2.0 + inputs[1]
         out = tf.tanh(inputs @ theta["w"])
         return out, out
-
-    @classmethod
-    def num_params(cls, p):
-        return p.dim * p.dim
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -403,26 +407,12 @@ def test_a_boundary_holding_one_tensor_twice_is_not_counted_twice(schedule, rema
     assert_same(loss_and_grads(build(layers, "float64", 2, 4, remat, schedule=schedule), x), ref, rtol=1e-10)
 
 
-class IdsAndFeatures(BaseLayer):
+class IdsAndFeatures(SquareWeight):
     """Test layer on a dict {"h": float, "ids": int32}: h -> tanh(h W) masked by the parity of ids; ids -> ids + 1."""
-
-    @classmethod
-    def params(cls):
-        p = super().params()
-        p.define("dim", 4, "")
-        return p
-
-    def __init__(self, params, parent_path=""):
-        super().__init__(params, parent_path)
-        self.create_variable("w", [self.p.dim, self.p.dim])
 
     def fprop(self, theta, inputs, ctx):
         mask = tf.cast(inputs["ids"] % 2, inputs["h"].dtype)[:, None]
         return {"h": tf.tanh(inputs["h"] @ theta["w"]) * (0.5 + mask), "ids": inputs["ids"] + 1}
-
-    @classmethod
-    def num_params(cls, p):
-        return p.dim * p.dim
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -430,7 +420,7 @@ class IdsAndFeatures(BaseLayer):
 def test_integer_leaves_cross_stages_with_every_remat_policy(schedule, remat):
     """A boundary holding an int32 leaf beside the float one: the ids pass through (no gradient), loss and gradients
     equal the un-pipelined model's, and the pipeline's integer output is the same."""
-    layers = [IdsAndFeatures.params() for _ in range(4)]
+    layers = [IdsAndFeatures.params().set(dim=4) for _ in range(4)]
     rng = np.random.RandomState(7)
     inputs = {"h": tf.constant(rng.randn(BATCH, 4)), "ids": tf.constant(rng.randint(0, 5, BATCH), tf.int32)}
 

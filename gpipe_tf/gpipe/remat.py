@@ -88,11 +88,10 @@ class StageForward:
                                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return grads[:len(self.xs)], grads[len(self.xs):]
         with tf.control_dependencies(list(after) + dys):
-            xs = [tf.identity(t) for t in self._input_floats()]
             # Copies made here: differentiating with respect to the forward pass's own weight tensors made
             # TensorFlow keep every micro-batch's weight gradients in the fill_drain backward loop.
             weights = [tf.identity(w) for w in self.weights]
-        out, tape, xs = self._recorded(weights, xs)
+            out, tape, xs = self._recorded(weights, self._input_floats())
         grads = tape.gradient(float_leaves(out), xs + weights, output_gradients=dys,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return grads[:len(xs)], grads[len(xs):]

@@ -11,6 +11,7 @@ configurations, so a slow moment of the machine hits all of them alike; compare 
   python -m bench.pipeline --quick        # reduced set, under 10 minutes on 2 cores
   python -m bench.pipeline                # everything
   python -m bench.pipeline --skip-speed   # memory of workload (b) only
+  python -m bench.pipeline --breakdown    # where the one-worker step's time goes, by op category, only
   python -m bench.pipeline --dxk          # D x K data parallelism on 4 logical CPUs (bench/data_parallel.py)
 """
 
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import time
 from typing import Any, Callable
+
+from bench import op_breakdown
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Memory figures need TensorFlow's BFC allocator on CPU (otherwise get_memory_info raises on CPUs where oneDNN is
@@ -163,6 +166,7 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(dict(
                 workload=workload, schedule=schedule, k=k, m=m, remat=remat, step_time_s=round(t, 4),
                 efficiency=round(base / (k * t), 3) if workload == "transformer" and base else None,
+                vs_one_worker=round(t / base, 3) if workload == "transformer" and base else None,
                 efficiency_same_m=round(same_m / (k * t), 3) if same_m else None,
                 efficiency_bound=round(m / (m + k - 1), 3),
                 remat_cost=round(t / no_remat, 3) if no_remat else None,
@@ -176,7 +180,7 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                 with tf.device(devices[1]):
                     step(x).numpy()
                 rows.append(dict(workload="transformer", schedule=schedule, k=2, m=m, remat="never",
-                                 step_time_s=None, efficiency=None, efficiency_same_m=None,
+                                 step_time_s=None, efficiency=None, vs_one_worker=None, efficiency_same_m=None,
                                  efficiency_bound=round(m / (m + 1), 3), remat_cost=None, peak_memory_mb=None,
                                  compile_s=round(time.perf_counter() - start, 2), flops_fraction=None))
                 print(f"# compiled schedule={schedule} M={m}", file=sys.stderr)
@@ -218,17 +222,44 @@ def memory_worker(quick: bool) -> None:
                               compile_s=None, flops_fraction=None)), flush=True)
 
 
-def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Memory figures from a fresh process (its allocator state is not shared with the speed runs)."""
-    cmd = [sys.executable, "-m", "bench.pipeline", "--memory-worker"] + (["--quick"] if args.quick else [])
+def breakdown_worker(steps: int) -> None:
+    """Runs in its own process: the one-worker step of workload (a) (K=1, M=1, no remat) on one thread, as on a
+    single-thread worker, profiled; prints seconds per step by op category as one JSON line."""
+    import tensorflow as tf
+
+    from bench import op_breakdown
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    device = "/device:CPU:0"
+    step, x, _ = build_step("transformer", 1, 1, "never", [device], "unrolled")
+    step(x).numpy()
+    step(x).numpy()
+    seconds = op_breakdown.breakdown(lambda: step(x).numpy(), steps)
+    print(json.dumps(dict(breakdown={c: round(t, 4) for c, t in seconds.items()})), flush=True)
+
+
+def _run_worker(flag: str, *extra: str) -> list[dict[str, Any]]:
+    """Runs this module with `flag` in a fresh process; its JSON lines."""
+    cmd = [sys.executable, "-m", "bench.pipeline", flag, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+def breakdown(args: argparse.Namespace) -> dict[str, float]:
+    """The one-worker step's seconds by op category, from a fresh single-thread process."""
+    return _run_worker("--breakdown-worker", "--steps", str(max(args.steps, 2)))[0]["breakdown"]
+
+
+def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Memory figures from a fresh process (its allocator state is not shared with the speed runs)."""
+    return _run_worker("--memory-worker", *(["--quick"] if args.quick else []))
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The closing table."""
-    cols = ["workload", "schedule", "k", "m", "remat", "step_time_s", "efficiency", "efficiency_same_m",
+    cols = ["workload", "schedule", "k", "m", "remat", "step_time_s", "vs_one_worker", "efficiency", "efficiency_same_m",
             "efficiency_bound", "remat_cost", "flops_fraction", "compile_s", "peak_memory_mb"]
     widths = [max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
@@ -272,12 +303,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="reduced configuration set (< 10 minutes)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds over all configurations")
-    parser.add_argument("--steps", type=int, default=1, help="timed steps per configuration and round")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round (2: the "
+                        "medians that judge ratios near 1.0 come from twice the samples of one step per round)")
     parser.add_argument("--skip-memory", action="store_true", help="speed only")
     parser.add_argument("--compare", action="store_true", help="the two schedules side by side only: K=2, M=8 on "
                         "workload (a) with and without remat and on the weight-heavy workload (no memory part)")
     parser.add_argument("--skip-speed", action="store_true", help="memory only (one process, no workers)")
+    parser.add_argument("--breakdown", action="store_true", help="only the one-worker step's time by op category "
+                        "(matmul, attention, normalization, elementwise, transfer, idle)")
     parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--breakdown-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dxk", action="store_true", help="D x K mode instead: throughput of D=2,K=1 / D=1,K=2 / "
                         "D=2,K=2 vs D=1,K=1 on 4 logical CPU devices (runs bench.data_parallel)")
     args = parser.parse_args()
@@ -286,6 +321,15 @@ def main() -> None:
         sys.exit(subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).returncode)
     if args.memory_worker:
         memory_worker(args.quick)
+        return
+    if args.breakdown_worker:
+        breakdown_worker(args.steps)
+        return
+    parts = None if args.compare or args.skip_speed else breakdown(args)
+    if parts is not None:
+        print(json.dumps(dict(breakdown=parts)), flush=True)
+    if args.breakdown:
+        print(f"one-worker step (workload (a), K=1, M=1, no remat, one thread): {op_breakdown.format_breakdown(parts)}")
         return
     rows = [] if args.skip_memory or args.compare else memory(args)
     for row in rows:
@@ -296,6 +340,8 @@ def main() -> None:
     print(table(rows))
     for line in summary(rows):
         print(line)
+    if parts is not None:
+        print(f"one-worker step (workload (a), K=1, M=1, no remat, one thread): {op_breakdown.format_breakdown(parts)}")
 
 
 if __name__ == "__main__":

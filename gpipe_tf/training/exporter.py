@@ -94,7 +94,8 @@ def serving_module(task: BaseTask, params: Params) -> tuple[tf.Module, str]:
     if isinstance(task, ClassifierTask):
         spec = _input_params(params).instantiate().dataset().element_spec["inputs"]
         spec = tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, name="inputs")
-        return ClassifierServing(task, spec), "inference mode, pipeline layers in sequence"
+        pipelined = isinstance(task.network, GPipe)
+        return ClassifierServing(task, spec), "inference mode" + (", pipeline layers in sequence" if pipelined else "")
     raise ConfigError(f"{params.model}'s task is a {type(task).__name__}; --mode=export knows ClassifierTask "
                       "(logits) and TranslationTask (greedy decoding)")
 

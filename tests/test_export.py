@@ -45,9 +45,9 @@ np.save("logits.npy", np.concatenate([serve(inputs=tf.constant(x))["logits"].num
 
 def test_pipelined_classifier_export_matches_the_trainers_eval(tmp_path):
     key, logdir = "toy.classifier.BlobsMlpGPipe", str(tmp_path / "run")
-    trainer(f"--model={key}", f"--logdir={logdir}", "--max_steps=30", "--quiet",
+    # train_and_eval: the trainer evaluates its final step 30 with the pipelined (K=2, M=4) model.
+    trainer(f"--model={key}", f"--logdir={logdir}", "--mode=train_and_eval", "--max_steps=30", "--quiet",
             "--params=train.save_interval_steps=10,train.max_checkpoints_to_keep=5")
-    trainer(f"--model={key}", f"--logdir={logdir}", "--mode=eval", "--eval_once", "--quiet")
     exported = trainer(f"--model={key}", f"--logdir={logdir}", "--mode=export")
     export_dir = os.path.join(logdir, "export", "30")
     assert f"to {export_dir}: serving_default inputs float32 [None, 16] -> logits float32 [None, 8]" in exported.stdout

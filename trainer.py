@@ -3,6 +3,7 @@
   python trainer.py --list_models
   python trainer.py --model=toy.classifier.BlobsMlp --logdir=/tmp/run --max_steps=200
   python trainer.py --model=toy.classifier.BlobsMlp --logdir=/tmp/run --mode=eval
+  python trainer.py --model=toy.classifier.BlobsMlp --logdir=/tmp/run --mode=export   # SavedModel for serving
   python trainer.py --model=toy.classifier.BlobsMlp --mode=inspect_params --params=train.learning_rate=0.01
 
 A second run with the same --logdir resumes from its latest checkpoint. Errors a user can fix print one line
@@ -32,7 +33,9 @@ if TYPE_CHECKING:  # imported lazily at run time: --help and --list_models stay 
 
 FLAGS = flags.FLAGS
 
-MODES = ("train", "eval", "train_and_eval", "decode", "inspect", "inspect_params")
+MODES = ("train", "eval", "train_and_eval", "decode", "export", "inspect", "inspect_params")
+# Modes that read one checkpoint: --checkpoint chooses it.
+_CHECKPOINT_MODES = ("eval", "decode", "export")
 
 flags.DEFINE_string("model", None, "Registry key of the experiment, e.g. toy.classifier.BlobsMlp.")
 flags.DEFINE_string("logdir", None, "Run directory: params, checkpoints and TensorBoard events.")
@@ -48,6 +51,9 @@ flags.DEFINE_bool("eval_once", False, "--mode=eval: evaluate the newest checkpoi
                   "the trainer.")
 flags.DEFINE_float("eval_timeout_secs", 3600.0, "--mode=eval: stop following after this long without a new "
                    "checkpoint.", lower_bound=0.0)
+flags.DEFINE_string("checkpoint", None, "--mode=eval/decode/export: use this checkpoint (a ckpt-N prefix such as "
+                    "LOGDIR/checkpoints/ckpt-200, or a run's logdir for its newest) instead of the newest in --logdir.")
+flags.DEFINE_string("export_dir", None, "--mode=export: write the SavedModel here (default LOGDIR/export/<step>).")
 flags.DEFINE_bool("quiet", False, "No progress lines (warnings, errors and results still print).")
 flags.DEFINE_string("profile_steps", None, "START,END: capture a TF profiler trace of those steps into the logdir "
                     "(TensorBoard's Profile tab; pip install -e '.[profile]').")
@@ -94,12 +100,15 @@ def _main(argv: list[str]) -> None:
         print(params.to_text())
         return
     if FLAGS.mode == "inspect":
-        from gpipe_tf import inspect
-        report = inspect.inspect(params)
-        print(json.dumps(report) if FLAGS.json else inspect.format_report(report))
+        _inspect(params)
         return
     if not FLAGS.logdir:
         _fail(f"--logdir is required for --mode={FLAGS.mode}")
+    if FLAGS.checkpoint and FLAGS.mode not in _CHECKPOINT_MODES:
+        _fail(f"--checkpoint is for --mode={'/'.join(_CHECKPOINT_MODES)}, not --mode={FLAGS.mode}; to start "
+              "training from another run's checkpoint use --params=train.init_from.checkpoint=PATH")
+    if FLAGS.export_dir and FLAGS.mode != "export":
+        _fail(f"--export_dir is for --mode=export, not --mode={FLAGS.mode}")
 
     from gpipe_tf.training import logdir as logdir_lib
     from gpipe_tf.training import run_lock
@@ -130,11 +139,38 @@ def _main(argv: list[str]) -> None:
     elif FLAGS.mode == "eval":
         logdir_lib.check_compatible(FLAGS.logdir, params)
         Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet).evaluate(
-            follow=not FLAGS.eval_once, timeout_secs=FLAGS.eval_timeout_secs)
+            follow=not FLAGS.eval_once, timeout_secs=FLAGS.eval_timeout_secs, chosen=FLAGS.checkpoint)
+    elif FLAGS.mode == "export":
+        from gpipe_tf.training import exporter
+        logdir_lib.check_compatible(FLAGS.logdir, params)
+        exporter.export(params.task.instantiate(), params, FLAGS.logdir, _print, checkpoint=FLAGS.checkpoint,
+                        export_dir=FLAGS.export_dir)
     else:
         from gpipe_tf.training import decoder
         logdir_lib.check_compatible(FLAGS.logdir, params)
-        decoder.decode(params.task.instantiate(), params, FLAGS.logdir, _print)
+        decoder.decode(params.task.instantiate(), params, FLAGS.logdir, _print, checkpoint=FLAGS.checkpoint,
+                       progress_log=(lambda line: None) if FLAGS.quiet else _print)
+
+
+def _inspect(params: Params) -> None:
+    """--mode=inspect: the report on stdout; progress lines (what is planned, how long it took) on stderr."""
+    import time
+
+    from gpipe_tf import inspect
+    from gpipe_tf.training import progress
+
+    start = time.perf_counter()
+    pipelines = inspect.find_pipelines(params.task)
+    if not FLAGS.quiet:
+        shape = ", ".join(f"{path}: K={p.num_stages} stages over {len(p.layers)} layers, "
+                          + (f"balance={list(p.balance)}" if p.balance else f"balance_by={p.balance_by}")
+                          for path, p in pipelines) or "no pipeline"
+        print(f"inspecting {params.model} from its Params ({shape}) ...", file=sys.stderr, flush=True)
+    report = inspect.inspect(params)
+    print(json.dumps(report) if FLAGS.json else inspect.format_report(report), flush=True)
+    if not FLAGS.quiet:
+        print(f"inspect done in {progress.format_duration(time.perf_counter() - start)}", file=sys.stderr,
+              flush=True)
 
 
 def _replica_layout(params: Params) -> ReplicaLayout:

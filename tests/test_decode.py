@@ -28,6 +28,7 @@ def test_decode_mode_writes_hypotheses_and_scalars(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "decode test at step 0: 64 sentences" in result.stdout
+    assert "decode test at step 0: 1 batches ..." in result.stdout.splitlines()  # the progress line before it
     rows = open(os.path.join(logdir, "decode_test", "hypotheses.tsv"), encoding="utf-8").read().splitlines()
     assert rows[0].split("\t") == ["source", "hypothesis", "reference", "target_language"] and len(rows) == 65
     assert all(row.split("\t")[0].startswith("<2") for row in rows[1:])

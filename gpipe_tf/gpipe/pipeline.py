@@ -152,6 +152,10 @@ class GPipe(BaseLayer):
         traced = tf.function(lambda x: self._run_all(self.theta, x, ctx)).get_concrete_function(micro_batch_spec)
         return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
 
+    def fprop_in_sequence(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
+        """The same layers in order on the caller's device: no stages, no micro-batches (export for serving)."""
+        return self._run_all(theta, inputs, ctx)
+
     def _run_all(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         for stage in range(self.p.num_stages):
             inputs = self._run_stage(stage, theta, inputs, ctx)

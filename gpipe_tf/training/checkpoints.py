@@ -155,3 +155,51 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
     except (tf.errors.InvalidArgumentError, ValueError, AssertionError) as e:
         # Every tensor of `path` was read back first (restore_latest), so a mismatch here is another model's.
         raise ConfigError(f"checkpoint {path} does not match this model ({_short(e)}); use a new --logdir") from None
+
+
+def resolve(path: str, what: str = "--checkpoint") -> str:
+    """The checkpoint `path` names: a checkpoint prefix (`LOGDIR/checkpoints/ckpt-N`, `.index` optional), or a run's
+    logdir or its checkpoints directory (the newest checkpoint there). ConfigError naming `path` otherwise."""
+    if path.endswith(".index") and os.path.isfile(path):
+        path = path[:-len(".index")]
+    if os.path.isdir(path):
+        trimmed = path.rstrip(os.sep) or path
+        logdir = os.path.dirname(trimmed) if os.path.basename(trimmed) == CHECKPOINT_DIR else trimmed
+        found = checkpoint_paths(logdir)
+        if not found:
+            raise ConfigError(f"{what}={path!r} is a directory without checkpoints (no ckpt-N.index in "
+                              f"{checkpoint_dir(logdir)}); name a checkpoint such as LOGDIR/checkpoints/ckpt-100 "
+                              "or the logdir of a run that saved one")
+        return found[-1]
+    if os.path.isfile(path + ".index"):
+        return path
+    parent = os.path.dirname(path) or "."
+    try:
+        near = sorted((m.group(0).rsplit(".", 1)[0] for m in map(_FILE_RE.match, os.listdir(parent))
+                       if m and m.group(2) == "index"), key=step_of)
+    except OSError:
+        near = []
+    hint = f" ({parent} holds {', '.join(near)})" if near else ""
+    raise ConfigError(f"{what}={path!r} names no checkpoint: {path}.index does not exist{hint}; pass a checkpoint "
+                      "prefix such as LOGDIR/checkpoints/ckpt-100 (without .index), or a run's logdir for its newest")
+
+
+def restore_chosen(checkpoint: tf.train.Checkpoint, path: str, what: str = "--checkpoint") -> str:
+    """Restores the checkpoint `path` names (see `resolve`) into `checkpoint`, whose objects must all be in it (other
+    objects of the file, e.g. optimizer slots, are left unread); returns the checkpoint's path.
+
+    ConfigError naming the path when it names no checkpoint, cannot be read back, or belongs to another model.
+    """
+    path = resolve(path, what)
+    reason = unreadable_reason(path)
+    if reason is not None:
+        raise ConfigError(f"{what}: checkpoint {path} cannot be read ({reason}); name another checkpoint")
+    try:
+        status = checkpoint.restore(path)
+        status.assert_existing_objects_matched()
+        status.expect_partial()
+    except (tf.errors.InvalidArgumentError, ValueError, AssertionError) as e:
+        raise ConfigError(f"{what}: checkpoint {path} does not match this model ({_short(e)}); name a checkpoint of "
+                          "a run of this model") from None
+    return path
+

@@ -26,7 +26,7 @@ import tensorflow as tf
 from gpipe_tf.errors import ConfigError, TrainingError
 from gpipe_tf.gpipe import placement
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.training import checkpoints, pipeline_report
+from gpipe_tf.training import checkpoints, init_from, pipeline_report, progress
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner
@@ -85,12 +85,15 @@ class Controller:
 
     def __init__(self, params: Params, logdir: str, log: Callable[[str], None] = print,
                  quiet: bool = False, profile_steps: tuple[int, int] | None = None,
-                 layout: ReplicaLayout | None = None) -> None:
+                 layout: ReplicaLayout | None = None, clock: progress.Clock = time.perf_counter) -> None:
         self.params = params
         self.logdir = logdir
         self.log = log
         self.progress = (lambda s: None) if quiet else log
         self.profile_steps = profile_steps
+        # The clock of step times, ETA and phase durations (tests pass a fake one: no timing-dependent asserts).
+        self.clock = clock
+        self._trace_secs = 0.0
         # `layout`: this process's data-parallel replicas (replicas.make_layout); None: one replica.
         self.layout = layout or ReplicaLayout()
         with placement.replicas(self.layout.local_replicas):
@@ -114,8 +117,16 @@ class Controller:
         if self._ready:
             return
         self._build_training()
+        source = self.params.train.init_from.checkpoint
+        if source and not checkpoints.checkpoint_paths(self.logdir):
+            # A new run will read it: a wrong path is refused before anything is written.
+            checkpoints.resolve(source, "train.init_from.checkpoint")
+        # Tracing here and graph optimization in the first step take from seconds to minutes on a pipeline.
+        self.progress("compiling the train step ...")
+        start = self.clock()
         probe = next(iter(self.train_input.dataset()))
         self.learner.train_step.get_concrete_function(probe, tf.constant(False))
+        self._trace_secs = self.clock() - start
         self._ready = True
 
     def restore(self) -> str | None:
@@ -129,6 +140,9 @@ class Controller:
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
         self._restored = checkpoints.restore_latest(self.checkpoint, self.logdir, warn=self.log)
+        if self._restored is None and self.params.train.init_from.checkpoint:
+            # A new run (step 0): fine-tuning starts from another run's variables; a resumed run never re-reads them.
+            init_from.apply(self.task.variables, self.params.train.init_from, self.log)
         if self._restored and self.layout.is_chief and (problem or self._restored != on_disk[-1]):
             checkpoints.repair_state_file(self.logdir, self._restored)
         self.manager = checkpoints.make_manager(self.checkpoint, self.logdir,
@@ -163,11 +177,12 @@ class Controller:
                                 f"gradients were finite); not saved, so {self._last_checkpoint()} is the last good "
                                 "state; lower the learning rate or clip gradients (train.clip_gradient_norm)")
         try:
-            self.manager.save(checkpoint_number=step)
+            path = self.manager.save(checkpoint_number=step)
         except (OSError, tf.errors.OpError) as e:
             raise TrainingError(f"could not write the checkpoint of step {step} ({' '.join(str(e).split())[:200]}); "
                                 f"the previous checkpoint {self._last_checkpoint()} is intact; free disk "
                                 "space and run again to resume from it") from None
+        self.progress(f"saved checkpoint {path}")
 
     def train(self, evaluate_every: int | None = None) -> dict[str, float]:
         """Trains from the newest checkpoint (or scratch) to train.max_steps; returns the last step's metrics.
@@ -214,9 +229,11 @@ class Controller:
         tp = self.params.train
         batch_size = self.params.input.train.batch_size
         metrics: dict[str, Any] = {}
-        start_step, start_time = step, time.perf_counter()
+        start_step, start_time = step, self.clock()
         summary_step, summary_time = step, start_time
         log_step, log_time = step, start_time
+        # Console rate and ETA come from steady-state steps: the first step of a run includes graph compilation.
+        steady_step, steady_time = None, None
         while step < tp.max_steps:
             if self.profile_steps and step == self.profile_steps[0]:
                 tf.profiler.experimental.start(self.logdir)
@@ -228,7 +245,14 @@ class Controller:
                 self.log(f"profile of steps {self.profile_steps[0]}-{step} written to {self.logdir}/plugins/profile")
             if bool(metrics["nonfinite"]):
                 self._nonfinite(step, metrics)
-            now = time.perf_counter()
+            now = self.clock()
+            if steady_step is None:
+                first = now - start_time
+                self.progress(f"train step compiled in {progress.format_duration(self._trace_secs + first)} (tracing "
+                              f"{progress.format_duration(self._trace_secs)}, first step "
+                              f"{progress.format_duration(first)}); rate and ETA from the steps after it")
+                steady_step, steady_time = step, now
+                log_step, log_time = step, now
             if step % tp.summary_interval_steps == 0 or step == tp.max_steps:
                 values = {k: float(v) for k, v in metrics.items() if k not in _STATUS_KEYS}
                 steps_per_sec = (step - summary_step) / max(now - summary_time, 1e-9)
@@ -237,11 +261,16 @@ class Controller:
                 writer.scalars(step, values)
                 summary_step, summary_time = step, now
             if step % tp.log_interval_steps == 0 or step == tp.max_steps:
-                rate = (step - log_step) / max(now - log_time, 1e-9)
-                eta = (tp.max_steps - step) / max((step - start_step) / max(now - start_time, 1e-9), 1e-9)
+                if step > log_step:
+                    rate = (step - log_step) / max(now - log_time, 1e-9)
+                    steady_rate = (step - steady_step) / max(now - steady_time, 1e-9)
+                    speed = (f"examples/sec={rate * batch_size:.1f} "
+                             f"eta={_format_eta((tp.max_steps - step) / max(steady_rate, 1e-9))}")
+                else:  # only the compiling step so far
+                    speed = "examples/sec=? eta=?"
                 self.progress(f"step {step}/{tp.max_steps} loss={float(metrics['loss']):.4f} "
                               f"lr={float(metrics['learning_rate']):.3g} grad_norm={float(metrics['grad_norm']):.3g} "
-                              f"examples/sec={rate * batch_size:.1f} eta={_format_eta(eta)}")
+                              f"{speed}")
                 log_step, log_time = step, now
             if step % tp.save_interval_steps == 0 or step == tp.max_steps:
                 self._save(step)
@@ -259,6 +288,9 @@ class Controller:
         if evaluate_every is not None and self.layout.is_chief:
             self._evaluate_current(step)
         self._mark_done(step)
+        self.progress(f"done: step {step}/{tp.max_steps}, {step - start_step} steps in "
+                      f"{progress.format_duration(self._trace_secs + self.clock() - start_time)} (compilation "
+                      f"included); last checkpoint {self._last_checkpoint()}")
         return {k: float(v) for k, v in metrics.items() if k != "nonfinite_gradients"}
 
     def _nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
@@ -291,27 +323,40 @@ class Controller:
             # One Evaluator (one traced eval step) per dataset for the whole run, not a retrace per evaluation.
             if name not in self._evaluators:
                 self._evaluators[name] = Evaluator(self.task, name, self.params.input.get(name))
-            values = self._evaluators[name].run()
+            evaluator = self._evaluators[name]
+            phase = progress.Phase(self.progress, f"eval {name} at step {step}", evaluator.num_batches,
+                                   clock=self.clock)
+            values = evaluator.run(on_batch=phase.update)
+            seconds = phase.finish()
             writer = SummaryWriter(self.logdir, f"eval_{name}")
             writer.scalars(step, values)
             writer.close()
-            self.log(f"eval {name} at step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in sorted(values.items())))
+            self.log(f"eval {name} at step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in sorted(values.items()))
+                     + f" ({progress.format_duration(seconds)})")
             results[name] = values
         return results
 
-    def evaluate(self, follow: bool = False, poll_secs: float = 2.0,
-                 timeout_secs: float = 3600.0) -> dict[int, dict[str, dict[str, float]]]:
+    def evaluate(self, follow: bool = False, poll_secs: float = 2.0, timeout_secs: float = 3600.0,
+                 chosen: str | None = None) -> dict[int, dict[str, dict[str, float]]]:
         """Evaluates checkpoints on every dataset in eval.datasets; writes logdir/eval_<name>.
 
         Without `follow`: the newest checkpoint that restores completely, once; no checkpoint is a ConfigError
         (a mistyped --logdir must not evaluate random weights). With `follow`:
         every checkpoint, oldest first, each exactly once, as the trainer writes them, until the trainer marks
         the run done and its last checkpoint is evaluated, or no new checkpoint appears for `timeout_secs`.
-        Read-only: the evaluator never writes into the trainer's checkpoint directory.
+        `chosen` (--checkpoint): evaluate that checkpoint once (a ckpt-N prefix or a run's logdir), whatever
+        `follow`; ConfigError naming it when it cannot be read. Read-only: the evaluator never writes into the
+        trainer's checkpoint directory.
         """
         global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         checkpoint = tf.train.Checkpoint(task=self.task, global_step=global_step)
         results: dict[int, dict[str, dict[str, float]]] = {}
+        if chosen:
+            self.log(f"evaluating {checkpoints.restore_chosen(checkpoint, chosen)}")
+            self._check_eval_dirs_writable()
+            step = int(global_step.numpy())
+            results[step] = self._evaluate_current(step)
+            return results
         if not follow:
             path = checkpoints.restore_latest(checkpoint, self.logdir, partial=True, warn=self.log)
             if path is None:

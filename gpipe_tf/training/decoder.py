@@ -1,4 +1,4 @@
-"""`--mode=decode`: translate each evaluation dataset with the newest checkpoint and score the translations.
+"""`--mode=decode`: translate each evaluation dataset with the newest (or a chosen) checkpoint and score them.
 
 Writes `logdir/decode_<dataset>/hypotheses.tsv` (source, hypothesis, reference, target language) and TensorBoard
 scalars in the same folder: corpus BLEU (sacrebleu, the standard implementation, tokenize '13a') and exact match,
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from typing import Callable
 
 import sacrebleu
@@ -16,7 +17,7 @@ import tensorflow as tf
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.training import checkpoints
+from gpipe_tf.training import checkpoints, progress
 from gpipe_tf.training.summaries import SummaryWriter
 
 
@@ -34,14 +35,20 @@ def score(hypotheses: list[str], references: list[str], languages: list[str]) ->
     return out
 
 
-def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], None]) -> dict[str, dict[str, float]]:
-    """Decodes every dataset in eval.datasets with the newest checkpoint; returns the scores per dataset."""
+def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], None], checkpoint: str | None = None,
+           progress_log: Callable[[str], None] | None = None,
+           clock: progress.Clock = time.perf_counter) -> dict[str, dict[str, float]]:
+    """Decodes every dataset in eval.datasets with `checkpoint` (default: the newest in logdir); returns the scores
+    per dataset. `progress_log` (default `log`) gets the progress lines: the batches decoded so far."""
     if not hasattr(task, "decode"):
         raise ConfigError(f"{params.model} has no decode step: --mode=decode is for sequence models "
                           "(translation); use --mode=eval")
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    path = checkpoints.restore_latest(tf.train.Checkpoint(task=task, global_step=global_step), logdir,
-                                      partial=True, warn=log)
+    restorable = tf.train.Checkpoint(task=task, global_step=global_step)
+    if checkpoint:
+        path = checkpoints.restore_chosen(restorable, checkpoint)
+    else:
+        path = checkpoints.restore_latest(restorable, logdir, partial=True, warn=log)
     if path is None:
         log(f"no checkpoint in {checkpoints.checkpoint_dir(logdir)}: decoding with the initial weights")
     step = int(global_step.numpy())
@@ -55,8 +62,11 @@ def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], No
             batch, max_length, beam_size=ep.beam_size, length_penalty_alpha=ep.length_penalty_alpha,
             bos_id=vocab.bos_id, eos_id=vocab.eos_id))
         hypotheses = []
-        for batch in inp.dataset():
+        phase = progress.Phase(progress_log or log, f"decode {name} at step {step}", inp.p.num_batches, clock=clock)
+        for n, batch in enumerate(inp.dataset(), start=1):
             hypotheses += [vocab.decode(row) for row in translate(batch).numpy().tolist()]
+            phase.update(n)
+        seconds = phase.finish()
         references = inp.references()[:len(hypotheses)]
         scores = score(hypotheses, [r[1] for r in references], [r[2] for r in references])
         job_dir = os.path.join(logdir, f"decode_{name}")
@@ -71,6 +81,6 @@ def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], No
                 f.write(f"{src}\t{hyp}\t{ref}\t{lang}\n")
         per_lang = " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in scores.items() if k.startswith("exact_match/"))
         log(f"decode {name} at step {step}: {len(hypotheses)} sentences, BLEU={scores['bleu']:.2f}, "
-            f"exact match={scores['exact_match']:.3f} ({per_lang})")
+            f"exact match={scores['exact_match']:.3f} ({per_lang}); {progress.format_duration(seconds)}")
         results[name] = scores
     return results

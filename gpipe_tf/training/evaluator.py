@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import tensorflow as tf
 
@@ -32,12 +32,19 @@ class Evaluator:
         return {k: (tf.cast(v, tf.float64) * tf.cast(w, tf.float64), tf.cast(w, tf.float64))
                 for k, (v, w) in metrics.items()}
 
-    def run(self) -> dict[str, float]:
-        """Weighted means of every metric over the whole dataset."""
+    @property
+    def num_batches(self) -> int:
+        """Batches in one pass over the dataset."""
+        return self.input.p.num_batches
+
+    def run(self, on_batch: Callable[[int], None] | None = None) -> dict[str, float]:
+        """Weighted means of every metric over the whole dataset; `on_batch(n)` after the n-th batch (progress)."""
         sums: dict[str, list[float]] = {}
-        for batch in self.input.dataset():
+        for n, batch in enumerate(self.input.dataset(), start=1):
             for k, (vw, w) in self._step(batch).items():
                 acc = sums.setdefault(k, [0.0, 0.0])
                 acc[0] += float(vw)
                 acc[1] += float(w)
+            if on_batch is not None:
+                on_batch(n)
         return {k: vw / w for k, (vw, w) in sums.items() if w > 0}

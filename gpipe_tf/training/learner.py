@@ -14,7 +14,7 @@ from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.hyperparams import ParamsError, Params
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.tasks.base_task import BaseTask, Metrics
-from gpipe_tf.training import lr_schedules, optimizers
+from gpipe_tf.training import init_from, lr_schedules, optimizers
 from gpipe_tf.training.replicas import ReplicaLayout
 
 
@@ -30,6 +30,8 @@ def training_params() -> Params:
     p.define("seed", 1, "Seed of training randomness (dropout): step s uses the stateless seed (seed, s).")
     p.define("save_interval_steps", 100, "Write a checkpoint every this many steps (and at the end).")
     p.define("max_checkpoints_to_keep", 5, "Older checkpoints are deleted.")
+    p.define("init_from", init_from.init_from_params(), "Fine-tuning: initialize a new run's variables from another "
+             "run's checkpoint by name rules (README 'Fine-tuning').")
     p.define("summary_interval_steps", 10, "Write TensorBoard scalars every this many steps.")
     p.define("log_interval_steps", 50, "Print a progress line every this many steps.")
     p.define("eval_interval_steps", 0, "--mode=train_and_eval: evaluate every this many steps (0: at the end).")
@@ -53,6 +55,7 @@ def check_training_params(tp: Params) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ParamsError(f"train.{name}={value!r} must be an integer >= {minimum}; set "
                               f"--params=train.{name}=N with N >= {minimum}")
+    init_from.check(tp.init_from)
     if not tp.learning_rate >= 0.0:
         raise ParamsError(f"train.learning_rate={tp.learning_rate!r} must be >= 0")
 

@@ -95,7 +95,8 @@ def _main(argv: list[str]) -> None:
         return
     if FLAGS.mode == "inspect":
         from gpipe_tf import inspect
-        report = inspect.inspect(params)
+        report = inspect.inspect(params, overrides={"gin_file": FLAGS.gin_file, "gin_param": FLAGS.gin_param,
+                                                    "params": overrides})
         print(json.dumps(report) if FLAGS.json else inspect.format_report(report))
         return
     if not FLAGS.logdir:

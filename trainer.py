@@ -43,7 +43,8 @@ flags.DEFINE_multi_string("gin_file", [], "Gin files binding experiment knobs.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'BlobsMlp.hidden_dims=(128, 128)'.")
 flags.DEFINE_integer("logical_devices", None, "Split the CPU into this many logical devices before TF starts "
                      "(default: the experiment's logical_devices).", lower_bound=1)
-flags.DEFINE_bool("list_models", False, "Print every registered experiment key and exit.")
+flags.DEFINE_bool("list_models", False, "Print every registered experiment key with its one-line description and "
+                  "exit.")
 flags.DEFINE_bool("eval_once", False, "--mode=eval: evaluate the newest checkpoint once instead of following "
                   "the trainer.")
 flags.DEFINE_float("eval_timeout_secs", 3600.0, "--mode=eval: stop following after this long without a new "
@@ -77,7 +78,9 @@ def _main(argv: list[str]) -> None:
     from gpipe_tf import experiment
 
     if FLAGS.list_models:
-        print("\n".join(model_registry.list_models()))
+        described = model_registry.describe_models()
+        width = max(len(key) for key, _ in described)
+        print("\n".join(f"{key:<{width}}  {text}" for key, text in described))
         return
     if not FLAGS.model:
         _fail("--model is required; run with --list_models to see the registered keys")
@@ -232,8 +235,22 @@ def _parse_flags(argv: list[str]) -> list[str]:
         raise  # unreachable: _fail exits
 
 
+def _show_flags_in_help() -> None:
+    """Makes --help list this module's flags under any entry point.
+
+    absl's --help lists the key flags of the module named by sys.argv[0]. Run as `python trainer.py` that is this
+    module; run as the installed console script it is the script wrapper (`.../bin/gpipe-trainer`), which
+    defines no flags, so --help listed none. Declaring this module's flags key flags of sys.argv[0] fixes both.
+    """
+    own = FLAGS.find_module_defining_flag("model")
+    if own != sys.argv[0]:
+        for flag in FLAGS.get_key_flags_for_module(own):
+            FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
 def run() -> None:
     """Console-script entry point (`gpipe-trainer`)."""
+    _show_flags_in_help()
     app.run(main, flags_parser=_parse_flags)
 
 

@@ -62,3 +62,27 @@ def test_console_script_help_lists_the_trainer_flags(tmp_path):
     direct = subprocess.run([sys.executable, "trainer.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert "--model:" in direct.stdout and "--logdir:" in direct.stdout, direct.stdout
+
+
+def test_fewer_logical_devices_than_stages_warns_naming_the_shared_device(tmp_path):
+    result = subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", f"--logdir={tmp_path}",
+                             "--logical_devices=1", "--gin_param=BlobsMlpGPipe.num_stages=3", "--max_steps=1",
+                             "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warning = [line for line in result.stdout.splitlines() if line.startswith("warning: ")]
+    assert warning == ["warning: classifier/network places 3 stages on 1 device: stages 0, 1, 2 share "
+                       "/device:CPU:0. Results are the same, but stages sharing a "
+                       "device run one after another, not as a pipeline; give each stage its own device (on a CPU: "
+                       "--logical_devices=3) or lower num_stages"], result.stdout
+
+
+def test_one_device_per_stage_gives_no_warning():
+    from gpipe_tf import experiment
+    from gpipe_tf.training import pipeline_report
+
+    params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe")
+    assert pipeline_report.shared_device_warnings(params.task.instantiate()) == []
+    shared, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe",
+                                          overrides="task.network.devices=['/device:CPU:0', '/device:CPU:0']")
+    warnings = pipeline_report.shared_device_warnings(shared.task.instantiate())
+    assert len(warnings) == 1 and "stages 0, 1 share /device:CPU:0" in warnings[0], warnings

@@ -199,6 +199,8 @@ class Controller:
                                                 else _NoSummaries())
         if step == 0:
             writer.text(0, "params", self.params.to_text())
+        for warning in pipeline_report.shared_device_warnings(self.task):
+            self.log(warning)
         if self.layout.is_chief:
             pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -10,6 +10,7 @@ last. Precedence: experiment defaults < gin < --params.
 from __future__ import annotations
 
 import difflib
+import inspect
 import tokenize
 from typing import Any, Sequence
 
@@ -132,6 +133,12 @@ def _knob_binder(cls: type) -> Any:
     if key not in _GIN_REGISTERED:
         def bind(**knobs: Any) -> dict[str, Any]:
             return knobs
+        # gin's operative config lists the parameters of each called configurable from its signature: with a bare
+        # **knobs it held only explicit bindings (an empty file for a run without any). Naming every knob with its
+        # default makes operative_config.gin the run's complete knob values, reusable as --gin_file.
+        bind.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+            for name, default in sorted(cls.knobs().items())])
         # Parsing locks gin's registry; an experiment resolved later in the same process still registers.
         with gin.unlock_config():
             gin.external_configurable(bind, name=name, module=module)

@@ -73,9 +73,10 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
                       + pipe.partition_table())
         texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))
         png_name = "schedule.png" if len(pipes) == 1 else f"schedule_{pipe.path.replace('/', '.')}.png"
+        schedule = type(pipe.schedule).__name__
         with open(os.path.join(logdir, png_name), "wb") as f:
-            f.write(timeline.render_png(predicted))
-        writer.image(step, f"schedule/{pipe.path}", timeline.image_tensor(predicted))
+            f.write(timeline.render_png(predicted, schedule=schedule))
+        writer.image(step, f"schedule/{pipe.path}", timeline.image_tensor(predicted, schedule=schedule))
     table_text, schedule_text = "\n\n".join(tables), "\n\n".join(texts)
     for name, text in (("partition.txt", table_text), ("schedule.txt", schedule_text)):
         with open(os.path.join(logdir, name), "w", encoding="utf-8") as f:

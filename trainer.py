@@ -87,7 +87,8 @@ def _main(argv: list[str]) -> None:
     overrides = ",".join(part for part in (
         FLAGS.params, None if FLAGS.max_steps is None else f"train.max_steps={FLAGS.max_steps}",
         None if FLAGS.num_replicas is None else f"train.num_replicas={FLAGS.num_replicas}") if part)
-    params, gin_config = experiment.resolve_params(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
+    resolved = experiment.resolve(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
+    params, gin_config = resolved.params, resolved.operative_config
     # Resolving Params runs no TensorFlow op, so the CPU can still be split here.
     num_devices = FLAGS.logical_devices or params.logical_devices
     if num_devices:
@@ -118,7 +119,7 @@ def _main(argv: list[str]) -> None:
         # as it was, and a corrected one is never refused because of it.
         logdir_lib.check_compatible(FLAGS.logdir, params, training=True)
         controller = Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet, profile_steps=profile,
-                                layout=layout)
+                                layout=layout, knobs=resolved.knobs)
         controller.prepare_training()
         if layout.is_chief:
             logdir_lib.check_writable(FLAGS.logdir)

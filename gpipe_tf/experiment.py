@@ -9,6 +9,7 @@ last. Precedence: experiment defaults < gin < --params.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import tokenize
@@ -146,11 +147,21 @@ def _knob_binder(cls: type) -> Any:
     return gin.get_configurable(f"{module}.{name}")
 
 
-def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
-                   overrides: str = "") -> tuple[Params, str]:
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A resolved experiment: its frozen Params, gin's operative config text and the knob values it used."""
+
+    params: Params
+    operative_config: str
+    knobs: dict[str, Any]
+
+
+def resolve(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
+            overrides: str = "") -> Resolved:
     """Builds the frozen Params tree of registered `model` with gin and dotted overrides applied.
 
-    Returns (params, operative gin config text). Errors are ConfigError/ParamsError with one-line messages.
+    Also returns the operative gin config (every knob with the value used) and the knob values themselves.
+    Errors are ConfigError/ParamsError with one-line messages.
     """
     cls = model_registry.get(model)
     binder = _knob_binder(cls)
@@ -163,4 +174,12 @@ def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequ
     params = experiment.model_params()
     for key, text in parse_overrides(overrides):
         params.override(key, text)
-    return params.freeze(), gin.operative_config_str()
+    knobs = {name: getattr(experiment, name) for name in sorted(cls.knobs())}
+    return Resolved(params=params.freeze(), operative_config=gin.operative_config_str(), knobs=knobs)
+
+
+def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
+                   overrides: str = "") -> tuple[Params, str]:
+    """`resolve(...)` as (params, operative gin config text)."""
+    resolved = resolve(model, gin_files, gin_bindings, overrides)
+    return resolved.params, resolved.operative_config

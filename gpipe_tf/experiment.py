@@ -137,9 +137,12 @@ def _knob_binder(cls: type) -> Any:
         # gin's operative config lists the parameters of each called configurable from its signature: with a bare
         # **knobs it held only explicit bindings (an empty file for a run without any). Naming every knob with its
         # default makes operative_config.gin the run's complete knob values, reusable as --gin_file.
+        # The trailing **knobs lets gin accept any name, so that a typo reaches the experiment's own check, which
+        # suggests the closest knob.
         bind.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-            for name, default in sorted(cls.knobs().items())])
+            *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+              for name, default in sorted(cls.knobs().items())),
+            inspect.Parameter("knobs", inspect.Parameter.VAR_KEYWORD)])
         # Parsing locks gin's registry; an experiment resolved later in the same process still registers.
         with gin.unlock_config():
             gin.external_configurable(bind, name=name, module=module)

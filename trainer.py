@@ -46,7 +46,8 @@ flags.DEFINE_multi_string("gin_file", [], "Gin files binding experiment knobs.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'BlobsMlp.hidden_dims=(128, 128)'.")
 flags.DEFINE_integer("logical_devices", None, "Split the CPU into this many logical devices before TF starts "
                      "(default: the experiment's logical_devices).", lower_bound=1)
-flags.DEFINE_bool("list_models", False, "Print every registered experiment key and exit.")
+flags.DEFINE_bool("list_models", False, "Print every registered experiment key with its one-line description and "
+                  "exit.")
 flags.DEFINE_bool("eval_once", False, "--mode=eval: evaluate the newest checkpoint once instead of following "
                   "the trainer.")
 flags.DEFINE_float("eval_timeout_secs", 3600.0, "--mode=eval: stop following after this long without a new "
@@ -83,14 +84,17 @@ def _main(argv: list[str]) -> None:
     from gpipe_tf import experiment
 
     if FLAGS.list_models:
-        print("\n".join(model_registry.list_models()))
+        described = model_registry.describe_models()
+        width = max(len(key) for key, _ in described)
+        print("\n".join(f"{key:<{width}}  {text}" for key, text in described))
         return
     if not FLAGS.model:
         _fail("--model is required; run with --list_models to see the registered keys")
     overrides = ",".join(part for part in (
         FLAGS.params, None if FLAGS.max_steps is None else f"train.max_steps={FLAGS.max_steps}",
         None if FLAGS.num_replicas is None else f"train.num_replicas={FLAGS.num_replicas}") if part)
-    params, gin_config = experiment.resolve_params(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
+    resolved = experiment.resolve(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
+    params, gin_config = resolved.params, resolved.operative_config
     # Resolving Params runs no TensorFlow op, so the CPU can still be split here.
     num_devices = FLAGS.logical_devices or params.logical_devices
     if num_devices:
@@ -100,7 +104,7 @@ def _main(argv: list[str]) -> None:
         print(params.to_text())
         return
     if FLAGS.mode == "inspect":
-        _inspect(params)
+        _inspect(params, overrides)
         return
     if not FLAGS.logdir:
         _fail(f"--logdir is required for --mode={FLAGS.mode}")
@@ -123,7 +127,7 @@ def _main(argv: list[str]) -> None:
         # as it was, and a corrected one is never refused because of it.
         logdir_lib.check_compatible(FLAGS.logdir, params, training=True)
         controller = Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet, profile_steps=profile,
-                                layout=layout)
+                                layout=layout, knobs=resolved.knobs)
         controller.prepare_training()
         if layout.is_chief:
             logdir_lib.check_writable(FLAGS.logdir)
@@ -152,7 +156,7 @@ def _main(argv: list[str]) -> None:
                        progress_log=(lambda line: None) if FLAGS.quiet else _print)
 
 
-def _inspect(params: Params) -> None:
+def _inspect(params: Params, overrides: str) -> None:
     """--mode=inspect: the report on stdout; progress lines (what is planned, how long it took) on stderr."""
     import time
 
@@ -166,7 +170,8 @@ def _inspect(params: Params) -> None:
                           + (f"balance={list(p.balance)}" if p.balance else f"balance_by={p.balance_by}")
                           for path, p in pipelines) or "no pipeline"
         print(f"inspecting {params.model} from its Params ({shape}) ...", file=sys.stderr, flush=True)
-    report = inspect.inspect(params)
+    report = inspect.inspect(params, overrides={"gin_file": FLAGS.gin_file, "gin_param": FLAGS.gin_param,
+                                                "params": overrides})
     print(json.dumps(report) if FLAGS.json else inspect.format_report(report), flush=True)
     if not FLAGS.quiet:
         print(f"inspect done in {progress.format_duration(time.perf_counter() - start)}", file=sys.stderr,
@@ -267,8 +272,22 @@ def _parse_flags(argv: list[str]) -> list[str]:
         raise  # unreachable: _fail exits
 
 
+def _show_flags_in_help() -> None:
+    """Makes --help list this module's flags under any entry point.
+
+    absl's --help lists the key flags of the module named by sys.argv[0]. Run as `python trainer.py` that is this
+    module; run as the installed console script it is the script wrapper (`.../bin/gpipe-trainer`), which
+    defines no flags, so --help listed none. Declaring this module's flags key flags of sys.argv[0] fixes both.
+    """
+    own = FLAGS.find_module_defining_flag("model")
+    if own != sys.argv[0]:
+        for flag in FLAGS.get_key_flags_for_module(own):
+            FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
 def run() -> None:
     """Console-script entry point (`gpipe-trainer`)."""
+    _show_flags_in_help()
     app.run(main, flags_parser=_parse_flags)
 
 

@@ -9,7 +9,9 @@ last. Precedence: experiment defaults < gin < --params.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 import tokenize
 from typing import Any, Sequence
 
@@ -132,6 +134,15 @@ def _knob_binder(cls: type) -> Any:
     if key not in _GIN_REGISTERED:
         def bind(**knobs: Any) -> dict[str, Any]:
             return knobs
+        # gin's operative config lists the parameters of each called configurable from its signature: with a bare
+        # **knobs it held only explicit bindings (an empty file for a run without any). Naming every knob with its
+        # default makes operative_config.gin the run's complete knob values, reusable as --gin_file.
+        # The trailing **knobs lets gin accept any name, so that a typo reaches the experiment's own check, which
+        # suggests the closest knob.
+        bind.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+            *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+              for name, default in sorted(cls.knobs().items())),
+            inspect.Parameter("knobs", inspect.Parameter.VAR_KEYWORD)])
         # Parsing locks gin's registry; an experiment resolved later in the same process still registers.
         with gin.unlock_config():
             gin.external_configurable(bind, name=name, module=module)
@@ -139,11 +150,21 @@ def _knob_binder(cls: type) -> Any:
     return gin.get_configurable(f"{module}.{name}")
 
 
-def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
-                   overrides: str = "") -> tuple[Params, str]:
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A resolved experiment: its frozen Params, gin's operative config text and the knob values it used."""
+
+    params: Params
+    operative_config: str
+    knobs: dict[str, Any]
+
+
+def resolve(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
+            overrides: str = "") -> Resolved:
     """Builds the frozen Params tree of registered `model` with gin and dotted overrides applied.
 
-    Returns (params, operative gin config text). Errors are ConfigError/ParamsError with one-line messages.
+    Also returns the operative gin config (every knob with the value used) and the knob values themselves.
+    Errors are ConfigError/ParamsError with one-line messages.
     """
     cls = model_registry.get(model)
     binder = _knob_binder(cls)
@@ -156,4 +177,12 @@ def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequ
     params = experiment.model_params()
     for key, text in parse_overrides(overrides):
         params.override(key, text)
-    return params.freeze(), gin.operative_config_str()
+    knobs = {name: getattr(experiment, name) for name in sorted(cls.knobs())}
+    return Resolved(params=params.freeze(), operative_config=gin.operative_config_str(), knobs=knobs)
+
+
+def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
+                   overrides: str = "") -> tuple[Params, str]:
+    """`resolve(...)` as (params, operative gin config text)."""
+    resolved = resolve(model, gin_files, gin_bindings, overrides)
+    return resolved.params, resolved.operative_config

@@ -66,14 +66,30 @@ def _layer_params(lp: InstantiableParams) -> int | None:
         return None
 
 
-def _stages(pipe: InstantiableParams, plan: StagePlan) -> list[dict[str, Any]]:
+def _stages(pipe: InstantiableParams, plan: StagePlan, path: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per-stage rows, and notes explaining every estimate that could not be made (shown as '-')."""
     layers = list(pipe.layers)
+    notes = []
+    if plan.cost_kind == "params":  # the plan counted them already: a deep model is counted once, not twice
+        counts_all: list[int | None] = [int(c) for c in plan.layer_costs]
+    else:
+        counts_all = [_layer_params(lp) for lp in layers]
+    uncounted = [j for j, c in enumerate(counts_all) if c is None]
+    if uncounted:
+        j = uncounted[0]
+        notes.append(f"params '-': layer_{j} ({layers[j].cls.__name__})"
+                     + (f" and {len(uncounted) - 1} more layers" if len(uncounted) > 1 else "")
+                     + " cannot count their parameters from Params (no num_params); the total counts what it can")
     spec = None if pipe.micro_batch_shape is None else tf.TensorSpec(pipe.micro_batch_shape, pipe.input_dtype)
+    if spec is None:
+        notes.append(f"activations '-': {path}.micro_batch_shape is not set, so the shape of a micro-batch is "
+                     "unknown (e.g. sequence models whose lengths vary by batch); to estimate, set it for the "
+                     f"longest batch, e.g. --params={path}.micro_batch_shape=[B/M, T],{path}.input_dtype=int32")
     stage_costs = plan.stage_costs()
     stages = []
     for stage, names in enumerate(plan.stage_layers):
-        stage_layers = [layers[j] for j in plan.layer_indices(stage)]
-        counts = [_layer_params(lp) for lp in stage_layers]
+        indices = list(plan.layer_indices(stage))
+        counts = [counts_all[j] for j in indices]
         entry: dict[str, Any] = {"stage": stage, "params": None if None in counts else sum(counts),
                                  "layers": list(names), "remat": plan.remat[stage],
                                  "cost": None if stage_costs is None else stage_costs[stage],
@@ -81,7 +97,9 @@ def _stages(pipe: InstantiableParams, plan: StagePlan) -> list[dict[str, Any]]:
         if spec is not None:
             try:
                 input_bytes, outputs = _bytes(spec), []
-                for lp in stage_layers:
+                for j in indices:
+                    lp = layers[j]
+                    failing = j
                     spec = lp.cls.output_spec(lp, spec)
                     outputs.append(_bytes(spec))
                 m = pipe.num_micro_batches
@@ -92,28 +110,53 @@ def _stages(pipe: InstantiableParams, plan: StagePlan) -> list[dict[str, Any]]:
                     entry["activation_bytes_estimate"] = m * sum(outputs)
             except NotImplementedError:
                 spec = None
+                notes.append(f"activations '-' from stage {stage} on: layer_{failing} "
+                             f"({layers[failing].cls.__name__}) cannot infer its output shape from Params (no "
+                             "output_spec), so the shapes after it are unknown")
         stages.append(entry)
-    return stages
+    return stages, notes
 
 
-def inspect(params: Params) -> dict[str, Any]:
-    """{"model", "total_params", "pipeline": path or None, and for the first pipeline found: "num_micro_batches",
-    "remat" (the policy), "balance", "cost_kind", "note", "stages": [{"stage", "params", "layers", "remat", "cost",
-    "activation_bytes_estimate"}, ...]}. Without a plan (see the module doc) "balance" is None, "stages" is empty
-    and "note" says why; otherwise "note" is None. Stage "params" is None where a layer cannot count its own."""
+_CRITERIA = {
+    "params": "the contiguous split minimizing the largest stage's parameter count",
+    "flops": "the contiguous split minimizing the largest stage's estimated forward flops",
+    "time": "the contiguous split minimizing the largest stage's measured forward time",
+}
+
+
+def _balance_text(report: dict[str, Any]) -> str:
+    if report["cost_kind"] is None:
+        return f"balance: explicit balance={report['balance']}"
+    costs = [s["cost"] for s in report["stages"]]
+    show = (lambda c: f"{int(c):,}") if report["cost_kind"] == "params" else (lambda c: f"{c:.4g}")
+    spread = f"; stage costs {show(min(costs))} .. {show(max(costs))}" if costs else ""
+    return f"balance: balance_by='{report['cost_kind']}', {_CRITERIA[report['cost_kind']]}{spread}"
+
+
+def inspect(params: Params, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """{"model", "total_params", "overrides", "pipeline": path or None, and for the first pipeline found:
+    "num_micro_batches", "remat" (the policy), "balance", "cost_kind", "note", "estimate_notes", "stages":
+    [{"stage", "params", "layers", "remat", "cost", "activation_bytes_estimate"}, ...]}.
+
+    `overrides`: what the command changed (e.g. {"gin_param": [...], "params": "..."}), echoed in the report.
+    Without a plan (see the module doc) "balance" is None, "stages" is empty and "note" says why; otherwise "note"
+    is None. Stage "params" and "activation_bytes_estimate" are None where they cannot be computed from Params;
+    "estimate_notes" then says why and how to get them."""
     total = count_params(params.task)
     pipelines = find_pipelines(params.task)
-    report: dict[str, Any] = {"model": params.model, "total_params": total, "pipeline": None, "stages": []}
+    report: dict[str, Any] = {"model": params.model, "total_params": total, "pipeline": None, "stages": [],
+                              "overrides": {k: v for k, v in (overrides or {}).items() if v}}
     if pipelines:
         path, pipe = pipelines[0]
         report.update(pipeline=path, num_micro_batches=pipe.num_micro_batches, remat=pipe.remat, balance=None,
-                      cost_kind=None, note=None)
+                      cost_kind=None, note=None, estimate_notes=[])
         try:
             plan = make_plan(pipe, num_replicas=None, measure=None, path=path)
         except TimingRequired as e:
             report["note"] = str(e)
             return report
-        report.update(balance=list(plan.balance), cost_kind=plan.cost_kind, stages=_stages(pipe, plan))
+        stages, notes = _stages(pipe, plan, path)
+        report.update(balance=list(plan.balance), cost_kind=plan.cost_kind, stages=stages, estimate_notes=notes)
     return report
 
 
@@ -129,10 +172,12 @@ def format_report(report: dict[str, Any]) -> str:
     """The report as text: totals, then one line per stage."""
     lines = [f"model {report['model']}: {report['total_params']:,} trainable parameters "
              f"({_human(report['total_params'] * 4)} in float32)"]
+    for name, value in report.get("overrides", {}).items():
+        lines.append(f"overrides --{name}: " + (", ".join(value) if isinstance(value, (list, tuple)) else value))
     if report["stages"]:
-        balanced = "explicit balance" if report["cost_kind"] is None else f"balanced by {report['cost_kind']}"
         lines.append(f"pipeline {report['pipeline']}: K={len(report['stages'])} M={report['num_micro_batches']} "
-                     f"remat={report['remat']}, {balanced}")
+                     f"remat={report['remat']}")
+        lines.append(_balance_text(report))
         lines.append(f"{'stage':>5}  {'params':>16}  {'remat':<5}  {'activations (est.)':>18}  layers")
         for s in report["stages"]:
             act = s["activation_bytes_estimate"]
@@ -141,6 +186,7 @@ def format_report(report: dict[str, Any]) -> str:
             span = f"{s['layers'][0]} .. {s['layers'][-1]}" if len(s["layers"]) > 1 else s["layers"][0]
             lines.append(f"{s['stage']:>5}  {params_text:>16}  {'yes' if s['remat'] else 'no':<5}  {act_text:>18}  "
                          f"{span}")
+        lines += [f"note: {note}" for note in report["estimate_notes"]]
     elif report.get("note"):
         lines.append(f"pipeline {report['pipeline']}: no stages shown. {report['note']}")
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import pkgutil
 from typing import Callable, TypeVar
 
@@ -69,6 +70,18 @@ def list_models() -> list[str]:
     """All registered keys, sorted; imports every experiment module under `params/`."""
     _import_all()
     return sorted(_REGISTRY)
+
+
+def summary(cls: type) -> str:
+    """The first paragraph of the experiment's docstring (inherited if it has none) on one line."""
+    doc = inspect.getdoc(cls) or ""
+    first = doc.split("\n\n", 1)[0]
+    return " ".join(first.split()) or "(no docstring)"
+
+
+def describe_models() -> list[tuple[str, str]]:
+    """(key, one-line summary) of every registered experiment, sorted by key; imports every experiment module."""
+    return [(key, summary(_REGISTRY[key])) for key in list_models()]
 
 
 def get(key: str) -> type:

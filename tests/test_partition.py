@@ -62,3 +62,49 @@ def test_flops_balance_needs_a_sample_shape():
     layers = [Linear.params().set(input_dim=2, output_dim=2)] * 2
     with pytest.raises(ParamsError, match="needs micro_batch_shape"):
         GPipe.params().set(layers=layers, num_stages=2, balance_by="flops").instantiate()
+
+
+def quadratic_balance(costs, k):
+    """The plain O(K n^2) dynamic program, ties to the later cut: the reference for the O(K n) one."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    best = [[float("inf")] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for stage in range(1, k + 1):
+        for j in range(stage, n - (k - stage) + 1):
+            for s in range(stage - 1, j):
+                value = max(best[stage - 1][s], prefix[j] - prefix[s])
+                if value <= best[stage][j]:
+                    best[stage][j], cut[stage][j] = value, s
+    sizes, j = [], n
+    for stage in range(k, 0, -1):
+        sizes.append(j - cut[stage][j])
+        j = cut[stage][j]
+    return sizes[::-1]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_linear_balance_equals_the_quadratic_program_ties_included(seed):
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    kind = seed % 4
+    if kind == 0:
+        costs = [rng.randint(0, 3) for _ in range(n)]  # many ties and zeros
+    elif kind == 1:
+        costs = [rng.random() for _ in range(n)]
+    elif kind == 2:
+        costs = [1.0] * n
+    else:
+        costs = [rng.choice([0.0, 1e-9, 5.0, 1e6]) for _ in range(n)]
+    for k in sorted({1, n, rng.randint(1, n), rng.randint(1, n)}):
+        assert partition.balance_costs(costs, k) == quadratic_balance(costs, k), (costs, k)
+
+
+def test_negative_cost_is_an_error():
+    with pytest.raises(ParamsError, match=r"layer 1 has cost -1.*>= 0"):
+        partition.balance_costs([1.0, -1.0, 2.0], 2)

@@ -147,31 +147,73 @@ def _count_color(image, color):
     return int(np.all(image == np.array(color, dtype=np.uint8), axis=-1).sum())
 
 
-def test_png_size_and_colors():
+def _ink(image, color):
+    return np.all(image == np.array(color, dtype=np.uint8), axis=-1)
+
+
+def test_png_grid_size_colors_and_place():
     k, m, px = 3, 5, 20
     t = timeline.predict(k, m)
     image = _decoded(timeline.render_png(t, cell_px=px))
+    layout = timeline.picture_layout(t, cell_px=px)
     columns = 3 * (m + k - 1)  # makespan / shortest cell (forward, 1.0)
-    assert image.shape == (k * px + 1, px + columns * px + 1, 3)  # label column is one cell wide here
+    assert (layout.cell_px, layout.columns) == (px, columns)
+    assert image.shape == (layout.height, layout.width, 3)
+    top, left = layout.grid_top, layout.grid_left
+    grid = image[top:top + k * px + 1, left:left + columns * px + 1]
+    # The grid is closed by gray lines on all four sides.
+    for edge in (grid[0], grid[-1], grid[:, 0], grid[:, -1]):
+        assert _ink(edge, timeline.GRID_COLOR).all()
     for colors in (timeline.FORWARD_COLORS, timeline.BACKWARD_COLORS):
         for color in colors:
-            assert _count_color(image, color) > 0
-    assert _count_color(image, timeline.IDLE_COLOR) > 0
-    assert _count_color(image, timeline.GRID_COLOR) > 0
-    assert _count_color(image, timeline.TEXT_COLOR) > 0
-    # F(0, 0) is the first data column of row 0; stage 1 idles there during the fill.
-    assert tuple(image[3, px + 3]) == timeline.FORWARD_COLORS[0]
-    assert tuple(image[px + 3, px + 3]) == timeline.IDLE_COLOR
+            assert _count_color(grid, color) > 0
+    assert _count_color(grid, timeline.IDLE_COLOR) > 0
+    assert _count_color(grid, timeline.TEXT_COLOR) > 0
+    # F(0, 0) is the first column of row 0; stage 1 idles there during the fill.
+    assert tuple(grid[3, 3]) == timeline.FORWARD_COLORS[0]
+    assert tuple(grid[px + 3, 3]) == timeline.IDLE_COLOR
     # The last column of stage 0 is the second tick of B(0, 0).
-    assert tuple(image[3, -4]) == timeline.BACKWARD_COLORS[0]
+    assert tuple(grid[3, -4]) == timeline.BACKWARD_COLORS[0]
+
+
+def test_png_has_title_stage_axis_and_legend():
+    k, m = 2, 4
+    t = timeline.predict(k, m, remat=True)
+    image = _decoded(timeline.render_png(t, schedule="FillDrain"))
+    layout = timeline.picture_layout(t, schedule="FillDrain")
+    assert timeline.title(t, "FillDrain") == ("GPipe schedule FillDrain: K=2 stages, M=4 micro-batches, bubble 20.0% "
+                                              "(bound 20.0%)")
+    dark = np.all(image < 128, axis=-1)
+    # Title (text above the grid), stage numbers (left of each row) and the time axis and legend (below it).
+    assert dark[:layout.grid_top - 20].any()
+    for stage in range(k):
+        row = slice(layout.grid_top + stage * layout.cell_px + 2, layout.grid_top + (stage + 1) * layout.cell_px - 1)
+        assert dark[row, :layout.grid_left].any(), stage
+    below = image[layout.grid_top + k * layout.cell_px + 2:]
+    assert np.all(below < 128, axis=-1).any()
+    # The legend's swatches: a forward and a backward color block below the grid.
+    assert _count_color(below, timeline.FORWARD_COLORS[0]) >= 100
+    assert _count_color(below, timeline.BACKWARD_COLORS[0]) >= 100
+
+
+def test_default_picture_is_scaled_up_to_a_readable_size():
+    # The 2-stage toy pipeline's timeline: the summary image used to be a 625x49 strip.
+    t = timeline.predict(2, 4, [0.53, 0.47], remat=True)
+    image = _decoded(timeline.render_png(t))
+    layout = timeline.picture_layout(t)
+    assert layout.cell_px >= 32 and image.shape[1] >= 1000 and image.shape[0] >= 2 * layout.cell_px + 100
+    # Deep pipelines get smaller cells, and the picture stays bounded.
+    deep = timeline.picture_layout(timeline.predict(128, 32))
+    assert 8 <= deep.cell_px <= 16 and deep.height * deep.width <= 20 * 1024 * 1024
 
 
 def test_png_draws_micro_batch_digits_inside_cells():
     px = 24
     t = timeline.predict(1, 2, backward_ratio=1.0)  # columns: F0 F1 B1 B0
     image = _decoded(timeline.render_png(t, cell_px=px))
-    ink = np.all(image == np.array(timeline.TEXT_COLOR, dtype=np.uint8), axis=-1)
-    cells = [ink[1:px, px * (j + 1) + 1:px * (j + 2)] for j in range(4)]
+    layout = timeline.picture_layout(t, cell_px=px)
+    ink = _ink(image, timeline.TEXT_COLOR)[layout.grid_top:, layout.grid_left:]
+    cells = [ink[1:px, px * j + 1:px * (j + 1)] for j in range(4)]
     assert all(cell.any() for cell in cells)
     # Same digit, same glyph: F0 matches B0 and F1 matches B1, while 0 and 1 differ.
     assert np.array_equal(cells[0], cells[3]) and np.array_equal(cells[1], cells[2])
@@ -181,8 +223,9 @@ def test_png_draws_micro_batch_digits_inside_cells():
 def test_image_tensor_for_summaries():
     t = timeline.predict(2, 3)
     tensor = timeline.image_tensor(t, cell_px=16)
+    layout = timeline.picture_layout(t, cell_px=16)
     assert tensor.dtype == tf.uint8
-    assert tensor.shape == (1, 2 * 16 + 1, 16 + 12 * 16 + 1, 3)
+    assert tensor.shape == (1, layout.height, layout.width, 3)
     np.testing.assert_array_equal(tensor.numpy()[0], _decoded(timeline.render_png(t, cell_px=16)))
 
 

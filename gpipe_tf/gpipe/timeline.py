@@ -5,7 +5,8 @@ backwards: last micro-batch first, last stage first. With equal stage costs the 
 (K-1)/(M+K-1) whatever the backward/forward ratio; unbalanced stages or per-stage rematerialization do worse, and
 `predict` shows by how much before anything is run.
 
-`render_text` draws the timeline for logs, `render_png` / `image_tensor` for files and `tf.summary.image`.
+`render_text` draws the timeline for logs, `render_png` / `image_tensor` for files and `tf.summary.image` (a titled,
+labelled picture with a legend, drawn with Pillow, which TensorBoard itself depends on).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from gpipe_tf.hyperparams import ParamsError
 if TYPE_CHECKING:  # TensorFlow is only needed for the picture; predicting and text stay import-light.
     import tensorflow as tf
 
-__all__ = ["Cell", "Timeline", "predict", "render_text", "render_png", "image_tensor",
+__all__ = ["Cell", "Timeline", "PictureLayout", "predict", "render_text", "render_png", "image_tensor", "picture_layout",
+           "title",
            "FORWARD_COLORS", "BACKWARD_COLORS", "IDLE_COLOR", "GRID_COLOR", "TEXT_COLOR"]
 
 FORWARD = "F"
@@ -41,6 +43,13 @@ TEXT_COLOR = (25, 25, 25)
 # columns wide; the default tick is coarsened to stay under this, an explicit one is refused above it.
 _MAX_COLUMNS = 4096
 _MAX_PIXELS = 64 * 1024 * 1024
+# The picture: the grid scaled to about this many pixels wide by default, never more than _AUTO_MAX_PIXELS (a
+# summary image TensorBoard shows at once); text sizes in pixels; the margin between parts.
+_TARGET_WIDTH = 1200
+_AUTO_MAX_PIXELS = 16 * 1024 * 1024
+_TITLE_PX = 20
+_LABEL_PX = 16
+_PAD = 10
 
 # 3x5 bitmap digits, '#' = ink. Tiny on purpose: scaled up by an integer factor to fit the cell.
 _GLYPHS = {
@@ -85,6 +94,7 @@ class Timeline:
     cells: list[Cell]
     makespan: float
     bubble_fraction: float
+    remat: tuple[bool, ...] | None = None  # per stage: its backward recomputes its forward
 
     def ideal_bubble_fraction(self) -> float:
         """GPipe's bound (K-1)/(M+K-1), reached exactly when all stages cost the same."""
@@ -196,7 +206,7 @@ def predict(num_stages: int, num_micro_batches: int, stage_costs: Sequence[float
     makespan = max(c.end for c in cells)
     busy = m * sum(costs) + m * sum(backward_cost)
     return Timeline(num_stages=k_stages, num_micro_batches=m, cells=cells, makespan=makespan,
-                    bubble_fraction=1.0 - busy / (k_stages * makespan))
+                    bubble_fraction=1.0 - busy / (k_stages * makespan), remat=tuple(recompute))
 
 
 def _check_timeline(timeline: object) -> Timeline:
@@ -291,30 +301,34 @@ def _draw_text(image: np.ndarray, text: str, top: int, left: int, height: int, w
         x += 4 * scale
 
 
-def _picture(timeline: Timeline, cell_px: int) -> np.ndarray:
-    """The schedule as a uint8 [H, W, 3] array; layout documented in render_png."""
-    timeline = _check_timeline(timeline)
+def _check_cell_px(cell_px: object) -> int:
     if isinstance(cell_px, bool) or not isinstance(cell_px, numbers.Integral) or not 8 <= cell_px <= 256:
         raise ParamsError(f"cell_px={cell_px!r} is invalid: it must be an int in [8, 256] (pixels per tick and "
-                          "per stage row; 24 is a good default)")
-    cell_px = int(cell_px)
-    tick, columns = _resolve_tick(timeline, None)
+                          "per stage row), or None to scale the grid to about 1200 pixels wide")
+    return int(cell_px)
+
+
+def _auto_cell_px(num_stages: int, columns: int) -> int:
+    """Pixels per tick and stage row: the grid about _TARGET_WIDTH wide, cells 16..48 pixels (at least 8 for a
+    huge grid, which is also kept under _AUTO_MAX_PIXELS)."""
+    cell_px = min(48, max(16, _TARGET_WIDTH // columns))
+    while cell_px > 8 and columns * num_stages * cell_px * cell_px > _AUTO_MAX_PIXELS:
+        cell_px -= 1
+    return cell_px
+
+
+def _grid_picture(timeline: Timeline, cell_px: int, tick: float, columns: int) -> np.ndarray:
+    """The cells alone as a uint8 [K * cell_px + 1, columns * cell_px + 1, 3] array, grid lines included."""
     # About 60% of the row height for digits: readable, with room left for the grid and margins.
     max_scale = max(1, (cell_px * 3 // 5) // 5)
-    label_w = max(cell_px, _text_size(str(timeline.num_stages - 1), max_scale)[1] + 6)
     height = timeline.num_stages * cell_px + 1
-    width = label_w + columns * cell_px + 1
-    if height * width > _MAX_PIXELS:
-        raise ParamsError(f"cell_px={cell_px} would draw a {width}x{height} picture (more than {_MAX_PIXELS} "
-                          "pixels): use a smaller cell_px")
-
+    width = columns * cell_px + 1
     image = np.empty((height, width, 3), dtype=np.uint8)
     image[:] = IDLE_COLOR
-    image[::cell_px, label_w:] = GRID_COLOR
-    image[:, label_w::cell_px] = GRID_COLOR
+    image[::cell_px, :] = GRID_COLOR
+    image[:, ::cell_px] = GRID_COLOR
     for k, row in enumerate(_grid(timeline, tick, columns)):
         top = k * cell_px
-        _draw_text(image, str(k), top, 0, cell_px + 1, label_w, max_scale, TEXT_COLOR)
         j = 0
         while j < columns:
             c = row[j]
@@ -322,8 +336,7 @@ def _picture(timeline: Timeline, cell_px: int) -> np.ndarray:
             while end < columns and row[end] is c:
                 end += 1
             if c is not None:
-                left = label_w + j * cell_px
-                right = label_w + end * cell_px
+                left, right = j * cell_px, end * cell_px
                 colors = FORWARD_COLORS if c.phase == FORWARD else BACKWARD_COLORS
                 # Filling inside the grid lines erases the tick lines within a multi-tick cell: one block each.
                 image[top + 1:top + cell_px, left + 1:right] = colors[c.micro_batch % 2]
@@ -333,25 +346,115 @@ def _picture(timeline: Timeline, cell_px: int) -> np.ndarray:
     return image
 
 
-def render_png(timeline: Timeline, cell_px: int = 24) -> bytes:
+@dataclasses.dataclass(frozen=True)
+class PictureLayout:
+    """Where render_png puts things: the grid's top-left pixel, its cell size and column count, the image size."""
+
+    cell_px: int
+    columns: int
+    grid_top: int
+    grid_left: int
+    height: int
+    width: int
+
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)  # Pillow's built-in scalable font (needs FreeType)
+    except (TypeError, ValueError, OSError, ImportError):
+        return ImageFont.load_default()  # a fixed bitmap font: smaller, still legible
+
+
+def title(timeline: Timeline, schedule: str = "fill-drain") -> str:
+    """The picture's title: schedule, K, M and the bubble fraction against GPipe's bound."""
+    return (f"GPipe schedule {schedule}: K={timeline.num_stages} stages, M={timeline.num_micro_batches} "
+            f"micro-batches, bubble {timeline.bubble_fraction:.1%} (bound {timeline.ideal_bubble_fraction():.1%})")
+
+
+def _compose(timeline: Timeline, cell_px: int | None, schedule: str) -> tuple[np.ndarray, PictureLayout]:
+    """The whole picture (title, stage axis, grid, time axis, legend) and its layout; see render_png."""
+    from PIL import Image, ImageDraw
+
+    timeline = _check_timeline(timeline)
+    tick, columns = _resolve_tick(timeline, None)
+    cell_px = _auto_cell_px(timeline.num_stages, columns) if cell_px is None else _check_cell_px(cell_px)
+    grid_h, grid_w = timeline.num_stages * cell_px + 1, columns * cell_px + 1
+    if grid_h * grid_w > _MAX_PIXELS:
+        raise ParamsError(f"cell_px={cell_px} would draw a {grid_w}x{grid_h} grid (more than {_MAX_PIXELS} "
+                          "pixels): use a smaller cell_px")
+    title_font, label_font = _font(_TITLE_PX), _font(_LABEL_PX)
+    scratch = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+
+    def size(text: str, font) -> tuple[int, int]:
+        box = scratch.textbbox((0, 0), text, font=font)
+        return box[2] - box[0], box[3]
+
+    heading = title(timeline, schedule)
+    stage_labels = [str(k) for k in range(timeline.num_stages)]
+    axis_w = max(size("stage", label_font)[0], max(size(t, label_font)[0] for t in stage_labels)) + 2 * _PAD
+    legend = [(FORWARD_COLORS[0], "forward of micro-batch n"),
+              (BACKWARD_COLORS[0], "backward of n" + (" (recomputes its forward)" if any(timeline.remat or ())
+                                                       else "")),
+              (IDLE_COLOR, "idle (the bubble)")]
+    swatch = _LABEL_PX
+    legend_w = sum(swatch + _PAD + size(text, label_font)[0] + 3 * _PAD for _, text in legend)
+    title_h, label_h = size(heading, title_font)[1], size("stage 0", label_font)[1]
+    grid_top = _PAD + title_h + _PAD + label_h + _PAD // 2
+    grid_left = axis_w
+    time_top = grid_top + grid_h + _PAD // 2
+    legend_top = time_top + label_h + _PAD
+    height = legend_top + swatch + _PAD
+    width = max(grid_left + grid_w + _PAD, _PAD + size(heading, title_font)[0] + _PAD, _PAD + legend_w)
+
+    canvas = Image.new("RGB", (width, height), IDLE_COLOR)
+    canvas.paste(Image.fromarray(_grid_picture(timeline, cell_px, tick, columns)), (grid_left, grid_top))
+    draw = ImageDraw.Draw(canvas)
+    draw.text((_PAD, _PAD), heading, fill=TEXT_COLOR, font=title_font)
+    draw.text((_PAD, grid_top - label_h - _PAD // 2), "stage", fill=TEXT_COLOR, font=label_font)
+    for k, text in enumerate(stage_labels):
+        w, h = size(text, label_font)
+        draw.text((grid_left - _PAD - w, grid_top + k * cell_px + (cell_px - h) // 2), text, fill=TEXT_COLOR,
+                  font=label_font)
+    draw.text((grid_left, time_top), f"time ->   (1 column = {tick:.3g} forward-cost units)",
+              fill=TEXT_COLOR, font=label_font)
+    x = _PAD
+    for color, text in legend:
+        draw.rectangle([x, legend_top, x + swatch, legend_top + swatch], fill=color, outline=GRID_COLOR)
+        draw.text((x + swatch + _PAD, legend_top), text, fill=TEXT_COLOR, font=label_font)
+        x += swatch + _PAD + size(text, label_font)[0] + 3 * _PAD
+    layout = PictureLayout(cell_px=cell_px, columns=columns, grid_top=grid_top, grid_left=grid_left, height=height,
+                           width=width)
+    return np.asarray(canvas, dtype=np.uint8), layout
+
+
+def picture_layout(timeline: Timeline, cell_px: int | None = None, schedule: str = "fill-drain") -> PictureLayout:
+    """Where render_png(timeline, cell_px, schedule) draws the grid, and the picture's size."""
+    return _compose(timeline, cell_px, schedule)[1]
+
+
+def render_png(timeline: Timeline, cell_px: int | None = None, schedule: str = "fill-drain") -> bytes:
     """Draws `timeline` as a PNG and returns its bytes.
 
-    Rows are stages (cell_px pixels each) and columns time ticks of the shortest cell's duration (cell_px pixels
-    each), after a label column holding the stage number (cell_px wide, wider if the number needs it); one more
-    pixel closes the grid, so the image is (K * cell_px + 1) pixels high. Forward cells are blue, backward
-    orange, in two shades alternating with the micro-batch parity; idle ticks are white, grid lines light gray.
-    Each cell is one block with its micro-batch number drawn in a 3x5 bitmap font scaled to fit.
+    On top, a title with the schedule's name, K, M and the bubble fraction next to GPipe's bound. Below it the
+    grid: rows are stages (labelled on the left under a "stage" heading), columns time ticks of the shortest
+    cell's duration, each cell_px pixels (None: chosen so that the grid is about 1200 pixels wide, 16 to 48 pixels
+    a cell); a time arrow under the grid and a legend at the bottom. Forward cells are blue, backward orange, in
+    two shades alternating with the micro-batch parity; idle ticks are white, grid lines light gray. Each cell
+    is one block with its micro-batch number drawn in a 3x5 bitmap font scaled to fit; the other text uses
+    Pillow's built-in font. `picture_layout` says where the grid is.
 
     Raises:
-      ParamsError: `cell_px` is not an int in [8, 256] or the picture would be too large.
+      ParamsError: `cell_px` is not None or an int in [8, 256], or the picture would be too large.
     """
     import tensorflow as tf  # deferred: see the TYPE_CHECKING import above
 
-    return tf.io.encode_png(_picture(timeline, cell_px)).numpy()
+    return tf.io.encode_png(_compose(timeline, cell_px, schedule)[0]).numpy()
 
 
-def image_tensor(timeline: Timeline, cell_px: int = 24) -> tf.Tensor:
+def image_tensor(timeline: Timeline, cell_px: int | None = None, schedule: str = "fill-drain") -> tf.Tensor:
     """The render_png picture as a [1, H, W, 3] uint8 tensor, ready for `tf.summary.image`."""
     import tensorflow as tf  # deferred: see the TYPE_CHECKING import above
 
-    return tf.convert_to_tensor(_picture(timeline, cell_px)[np.newaxis])
+    return tf.convert_to_tensor(_compose(timeline, cell_px, schedule)[0][np.newaxis])

@@ -26,7 +26,7 @@ import tensorflow as tf
 from gpipe_tf.errors import ConfigError, TrainingError
 from gpipe_tf.gpipe import placement
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.training import checkpoints, init_from, pipeline_report, progress
+from gpipe_tf.training import checkpoints, hparams, init_from, pipeline_report, progress
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner
@@ -85,8 +85,11 @@ class Controller:
 
     def __init__(self, params: Params, logdir: str, log: Callable[[str], None] = print,
                  quiet: bool = False, profile_steps: tuple[int, int] | None = None,
-                 layout: ReplicaLayout | None = None, clock: progress.Clock = time.perf_counter) -> None:
+                 layout: ReplicaLayout | None = None, knobs: dict[str, Any] | None = None,
+                 clock: progress.Clock = time.perf_counter) -> None:
         self.params = params
+        # The experiment's knob values (experiment.resolve), shown with the run in TensorBoard's HParams tab.
+        self.knobs = dict(knobs or {})
         self.logdir = logdir
         self.log = log
         self.progress = (lambda s: None) if quiet else log
@@ -214,11 +217,18 @@ class Controller:
                                                 else _NoSummaries())
         if step == 0:
             writer.text(0, "params", self.params.to_text())
+        for warning in pipeline_report.shared_device_warnings(self.task):
+            self.log(warning)
         if self.layout.is_chief:
             pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
+            hparams.write_session(self.logdir, hparams.hparams_of(self.params, self.knobs),
+                                  hparams.metric_tags(self.params, self.learner.task_metric_names))
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             metrics = self._loop(step, writer, evaluate_every)
+            if self.layout.is_chief and "loss" in metrics:
+                hparams.write_metrics(self.logdir, int(self.learner.global_step.numpy()),
+                                      {"train/loss": metrics["loss"]})
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -331,6 +341,7 @@ class Controller:
             writer = SummaryWriter(self.logdir, f"eval_{name}")
             writer.scalars(step, values)
             writer.close()
+            hparams.write_metrics(self.logdir, step, {f"eval_{name}/{k}": v for k, v in values.items()})
             self.log(f"eval {name} at step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in sorted(values.items()))
                      + f" ({progress.format_duration(seconds)})")
             results[name] = values

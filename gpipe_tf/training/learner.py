@@ -79,6 +79,8 @@ class Learner(tf.Module):
         # Slots are created now, eagerly, next to their variables: never inside the traced step.
         self.optimizer.build(self.variables_to_train)
         self.train_step = tf.function(self._train_step)
+        # The names of the task's metrics (what evaluation reports too), known once the step has been traced.
+        self.task_metric_names: tuple[str, ...] = ()
 
     def learning_rate(self, step: tf.Tensor) -> tf.Tensor:
         """The learning rate at `step`: base rate times the schedule's multiplier."""
@@ -94,6 +96,7 @@ class Learner(tf.Module):
             layer.set_training_step(step)
         seed = tf.stack([tf.constant(self.tp.seed, tf.int64), step])
         loss, metrics, grads, aux, stop = self._loss_and_gradients(batch, seed, stop_requested)
+        self.task_metric_names = tuple(sorted(metrics))
         # A NaN/Inf loss or gradient must not reach the variables: the update is skipped and the step reports
         # every non-finite gradient (a mask in variable order, not a "first" that depends on which check ran
         # first), so the controller can stop or go on with a deterministic message.

@@ -36,6 +36,31 @@ def predicted_timeline(plan: StagePlan, num_micro_batches: int) -> timeline.Time
     return timeline.predict(plan.num_stages, num_micro_batches, costs, remat=list(plan.remat))
 
 
+def shared_device_warnings(task: tf.Module) -> list[str]:
+    """One warning per pipeline whose stages (of any replica) share a device, naming the stages and the device.
+
+    Placement goes round-robin when there are fewer devices than stages (e.g. --logical_devices=1 with K=3): the
+    result is still correct, but stages on one device run one after another instead of as a pipeline.
+    """
+    warnings = []
+    for pipe in pipelines(task):
+        num_replicas = len(pipe.replica_devices)
+        holders: dict[str, list[str]] = {}
+        for r, devices in enumerate(pipe.replica_devices):
+            for k, device in enumerate(devices):
+                holders.setdefault(device, []).append(f"replica {r} stage {k}" if num_replicas > 1 else str(k))
+        shared = {device: names for device, names in holders.items() if len(names) > 1}
+        if not shared:
+            continue
+        needed = num_replicas * pipe.p.num_stages
+        listing = "; ".join(f"{'' if num_replicas > 1 else 'stages '}{', '.join(names)} share {device}"
+                            for device, names in shared.items())
+        warnings.append(f"warning: {pipe.path} places {needed} stages on {len(holders)} device{'s' if len(holders) > 1 else ''}: {listing}. Results "
+                        "are the same, but stages sharing a device run one after another, not as a pipeline; give "
+                        f"each stage its own device (on a CPU: --logical_devices={needed}) or lower num_stages")
+    return warnings
+
+
 def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: Callable[[str], None]) -> None:
     """Writes the partition table and the schedule picture of each pipeline; logs the table."""
     pipes = pipelines(task)
@@ -48,9 +73,10 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
                       + pipe.partition_table())
         texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))
         png_name = "schedule.png" if len(pipes) == 1 else f"schedule_{pipe.path.replace('/', '.')}.png"
+        schedule = type(pipe.schedule).__name__
         with open(os.path.join(logdir, png_name), "wb") as f:
-            f.write(timeline.render_png(predicted))
-        writer.image(step, f"schedule/{pipe.path}", timeline.image_tensor(predicted))
+            f.write(timeline.render_png(predicted, schedule=schedule))
+        writer.image(step, f"schedule/{pipe.path}", timeline.image_tensor(predicted, schedule=schedule))
     table_text, schedule_text = "\n\n".join(tables), "\n\n".join(texts)
     for name, text in (("partition.txt", table_text), ("schedule.txt", schedule_text)):
         with open(os.path.join(logdir, name), "w", encoding="utf-8") as f:

@@ -64,8 +64,8 @@ def test_fill_drain_stage_boundaries_are_bfloat16_and_gradient_sums_float32(rema
     ops = _placed_ops(step, tf.constant(X))
     crossings = set()
     for device, op, name, node in ops:
-        inside = op == "_Send" and "while" in node.input[0] and not any(tag in node.input[0] for tag in ("/ctrl/", "/exit/"))
-        if inside:
+        source = node.input[0] if op == "_Send" else ""
+        if "while" in source and not any(tag in source for tag in ("/ctrl/", "/exit/")):  # per micro-batch, not control
             dtype = tf.as_dtype(node.attr["T"].type)
             if dtype.is_floating:
                 crossings.add((device, node.attr["recv_device"].s.decode().split("device:")[-1], dtype.name))
@@ -271,7 +271,8 @@ def test_float16_run_writes_the_loss_scale_to_tensorboard_and_resumes_it(tmp_pat
     scalars = read_scalars(f"{logdir}/train")
     assert [s for s, _ in scalars["loss_scale"]] == [1, 2, 3, 4]
     assert scalars["loss_scale"][0][1] == pytest.approx(5e29) and scalars["skipped_steps"][0][1] >= 1
-    scale, skipped = float(controller.learner.loss_scale.scale.numpy()), int(controller.learner.loss_scale.skipped_steps)
+    state = controller.learner.loss_scale
+    scale, skipped = float(state.scale.numpy()), int(state.skipped_steps)
     more = params.copy()
     more.train.max_steps = 4  # nothing to train: only the restore
     resumed = Controller(more.freeze(), logdir, log=lambda _: None)

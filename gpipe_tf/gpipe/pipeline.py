@@ -14,6 +14,13 @@ their gradients between devices:
 
 Randomness: micro-batch i runs with the step's seed folded with i; each layer folds in its own id, derived from
 its global index in the sequence, so masks do not depend on K and recomputation repeats them.
+
+Mixed precision (`fprop_dtype` bfloat16 or float16, float32 variables): the pipeline's floating inputs are cast to
+`fprop_dtype`, so every stage-boundary activation and its gradient crosses devices in half precision; each stage
+casts its float32 weights inside its own step, per micro-batch, so the schedules sum weight gradients in float32.
+(A cast once per step, before the schedule, would make the schedule sum them in half precision.) The cost: with
+remat 'never' the backward keeps each micro-batch's half-precision copy of the stage's weights with its
+activations; a recomputing stage casts again in its backward and keeps nothing more.
 """
 
 from __future__ import annotations
@@ -131,10 +138,15 @@ class GPipe(BaseLayer):
         """The chosen split as text: stage, layers, params, remat, device, cost."""
         return partition.format_table(self.partition_rows, f"cost({self.plan.cost_kind or 'none'})")
 
+    def cast_theta(self, theta: Mapping[str, Any]) -> dict[str, Any]:
+        """`theta` unchanged: each stage casts its weights inside its own step (module doc, mixed precision)."""
+        return dict(theta)
+
     def _run_stage(self, stage: int, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         out = inputs
         for name in self.stage_layers[stage]:
-            out = self.children[name].fprop(theta[name], out, ctx)
+            child = self.children[name]
+            out = child.fprop(child.cast_theta(theta[name]), out, ctx)
         return out
 
     def _output_structure(self, micro_batch_spec: Any) -> Any:
@@ -170,6 +182,8 @@ class GPipe(BaseLayer):
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         """Runs the pipeline on a mini-batch (any nested structure with a common leading batch dimension)."""
         p = self.p
+        if self.fprop_dtype != self.dtype:  # mixed precision: boundary activations travel in the compute dtype
+            inputs = self.to_fprop_dtype(inputs)
         size = microbatch.check_divisible(inputs, p.num_micro_batches) // p.num_micro_batches
         replica = placement.current_replica()
         self._check_replica(replica)

@@ -11,13 +11,12 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, sensitive_dtype
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.linear import Linear
 
 # Not -inf: a query whose keys are all masked would then compute inf - inf = NaN in the softmax.
 _LARGE_NEGATIVE = 1e9
-_HALF_DTYPES = (tf.float16, tf.bfloat16)
 
 
 def large_negative_number(dtype: tf.DType | str) -> float:
@@ -142,7 +141,7 @@ class MultiHeadAttention(BaseLayer):
         q *= self._head_dim ** -0.5
         logits = tf.einsum("bqnh,bknh->bnqk", q, k)
         # Half-precision softmax loses the small probabilities; the masked logits also need float32's range.
-        compute_dtype = tf.float32 if logits.dtype in _HALF_DTYPES else logits.dtype
+        compute_dtype = sensitive_dtype(logits.dtype)
         logits = tf.cast(logits, compute_dtype)
         if bias is not None:
             logits += tf.cast(bias, compute_dtype)

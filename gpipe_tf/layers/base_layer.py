@@ -5,11 +5,19 @@ Every layer follows one contract, so that the pipeline can re-run any layer on a
 * `Layer.params()` returns the layer's default `InstantiableParams`; `p.instantiate()` builds it.
 * Variables are created in `__init__` (never lazily), from Params-described initializers with seeds derived
   from the layer's seed and the variable's name: two builds of the same Params start identical.
-* Children are built from child Params; `dtype` and `seed` flow down when the child leaves them unset.
+* Children are built from child Params; `dtype`, `fprop_dtype` and `seed` flow down when the child leaves them
+  unset.
 * `fprop(theta, inputs, ctx)` is pure: it reads weights only from `theta` (a nested dict of tensors or
   variables mirroring the layer tree) and randomness only from `ctx.seed`. Passing weights explicitly is
   what lets `tf.recompute_grad` and `tf.while_loop` schedules re-run a layer (closures over variables fail
   there: measured with TF 2.21).
+
+Mixed precision (Lingvo's split of `fprop_dtype` from the variable `dtype`): variables are created in `dtype`
+(float32), the forward pass computes in `fprop_dtype` (bfloat16 or float16). Whoever hands a layer its weights
+casts them once with `cast_theta` (`fprop_theta` for the layer's own variables): the cast is part of the
+differentiated computation, so gradients arrive in the variables' dtype. Layers whose numerics need it keep some
+variables uncast (`UNCAST_VARIABLES`: norms' scales and statistics, embedding tables, which cast the rows they
+gather) and compute their sensitive parts in float32 (softmax, norm statistics, losses).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from gpipe_tf.layers import initializers
 
 DEFAULT_SEED = 1234
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+HALF_DTYPES = (tf.float16, tf.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +72,18 @@ def _snake_case(name: str) -> str:
 class BaseLayer(tf.Module):
     """Base class of all layers: Params in, variables built in `__init__`, pure `fprop`."""
 
+    # Names of this class's variables that `cast_theta` leaves in their own dtype under mixed precision.
+    UNCAST_VARIABLES: frozenset[str] = frozenset()
+
     @classmethod
     def params(cls) -> InstantiableParams:
         """Default Params of this layer class; subclasses extend them."""
         p = InstantiableParams(cls)
         p.define("name", "", "Layer name, the last part of its variables' names. Empty: class name in snake case.")
-        p.define("dtype", None, f"Variable and activation dtype, one of {DTYPES}. None: the parent's (root: float32).")
+        p.define("dtype", None, f"Variable dtype, one of {DTYPES}. None: the parent's (root: float32).")
+        p.define("fprop_dtype", None, f"dtype of the forward computation and the activations, one of {DTYPES}; "
+                 "'bfloat16' or 'float16' with float32 variables is mixed precision (README 'Mixed precision'). "
+                 "None: the parent's (root: dtype).")
         p.define("seed", None, "Seed of the variable initializers. None: derived from the parent's seed and this "
                  f"layer's name (root: {DEFAULT_SEED}).")
         p.define("params_init", initializers.weight_init(), "Initializer of this layer's weight matrices.")
@@ -85,6 +100,11 @@ class BaseLayer(tf.Module):
             p.dtype = "float32"
         if p.dtype not in DTYPES:
             raise ParamsError(f"{p.name}.dtype={p.dtype!r} is not supported; use one of {DTYPES}")
+        if p.fprop_dtype is None:
+            p.fprop_dtype = p.dtype
+        if p.fprop_dtype not in DTYPES:
+            raise ParamsError(f"{p.name}.fprop_dtype={p.fprop_dtype!r} is not supported; use one of {DTYPES} "
+                              "(or None: the variables' dtype)")
         self.path = f"{parent_path}/{p.name}" if parent_path else p.name
         if p.seed is None:
             p.seed = initializers.derive_seed(DEFAULT_SEED, self.path)
@@ -101,8 +121,13 @@ class BaseLayer(tf.Module):
 
     @property
     def dtype(self) -> tf.DType:
-        """The layer's TensorFlow dtype."""
+        """The dtype of the layer's variables."""
         return tf.as_dtype(self.p.dtype)
+
+    @property
+    def fprop_dtype(self) -> tf.DType:
+        """The dtype the layer computes in and its activations have (the variables' dtype unless mixed precision)."""
+        return tf.as_dtype(self.p.fprop_dtype)
 
     @property
     def random_id(self) -> int:
@@ -118,6 +143,9 @@ class BaseLayer(tf.Module):
             cp.name = name
         if "dtype" in cp and cp.dtype is None:
             cp.dtype = self.p.dtype
+        if "fprop_dtype" in cp and cp.fprop_dtype is None and cp.get("dtype") == self.p.dtype:
+            # A child that keeps its own variable dtype computes in it unless told otherwise.
+            cp.fprop_dtype = self.p.fprop_dtype
         if "seed" in cp and cp.seed is None:
             cp.seed = initializers.derive_seed(self.p.seed, name)
         child = cp.instantiate(parent_path=self.path)
@@ -148,13 +176,43 @@ class BaseLayer(tf.Module):
             theta[name] = child.theta
         return theta
 
+    def cast_theta(self, theta: Mapping[str, Any]) -> dict[str, Any]:
+        """`theta` as the forward pass reads it: floating weights in `fprop_dtype`, children's recursively.
+
+        Variables named in `UNCAST_VARIABLES` stay in their dtype. Without mixed precision nothing is cast. The
+        cast is differentiated with the rest, so gradients come back in the variables' dtype.
+        """
+        out = dict(theta)
+        for name, child in self.children.items():
+            if name in out:
+                out[name] = child.cast_theta(out[name])
+        if self.fprop_dtype != self.dtype:
+            for name in self.vars:
+                value = out.get(name)
+                if (name not in self.UNCAST_VARIABLES and value is not None and value.dtype.is_floating
+                        and value.dtype != self.fprop_dtype):
+                    out[name] = tf.cast(value, self.fprop_dtype)
+        return out
+
+    @property
+    def fprop_theta(self) -> dict[str, Any]:
+        """This layer's weights as its forward pass reads them: `cast_theta(theta)`."""
+        return self.cast_theta(self.theta)
+
+    def to_fprop_dtype(self, structure: Any) -> Any:
+        """`structure` with its floating-point leaves cast to `fprop_dtype` (integer ids and labels unchanged)."""
+        return tf.nest.map_structure(
+            lambda t: tf.cast(t, self.fprop_dtype) if tf.as_dtype(t.dtype).is_floating else t, structure)
+
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         """The forward pass; subclasses implement it reading weights only from `theta`."""
         raise NotImplementedError(f"{type(self).__name__}.fprop")
 
     def __call__(self, inputs: Any, ctx: FPropContext | None = None) -> Any:
-        """Runs `fprop` with this layer's own variables."""
-        return self.fprop(self.theta, inputs, ctx or FPropContext())
+        """Runs `fprop` with this layer's own variables (and, in mixed precision, floating inputs) cast for it."""
+        if self.fprop_dtype != self.dtype:
+            inputs = self.to_fprop_dtype(inputs)
+        return self.fprop(self.fprop_theta, inputs, ctx or FPropContext())
 
     def aux_stats_spec(self) -> dict[str, Any]:
         """TensorSpecs of the statistics this layer and its children put in `ctx.aux` in training, by path."""
@@ -186,6 +244,17 @@ class BaseLayer(tf.Module):
     def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
         """Estimated forward flops for one call on `input_spec`, from Params alone."""
         raise NotImplementedError(f"{cls.__name__}.flops is not implemented")
+
+
+def sensitive_dtype(dtype: tf.DType) -> tf.DType:
+    """The dtype for numerically sensitive work (softmax, norm statistics, losses): float32 for half precision."""
+    dtype = tf.as_dtype(dtype)
+    return tf.float32 if dtype in HALF_DTYPES else dtype
+
+
+def fprop_dtype_of(p: InstantiableParams) -> str:
+    """The compute dtype that Params describe, for Params-only output specs: fprop_dtype, else dtype, else float32."""
+    return p.fprop_dtype or p.dtype or "float32"
 
 
 def num_elements(spec: tf.TensorSpec) -> int:

@@ -15,11 +15,17 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
 
 
 class BatchNorm(BaseLayer):
-    """Normalizes the last (channel) dimension over all other dimensions."""
+    """Normalizes the last (channel) dimension over all other dimensions.
+
+    Half-precision inputs are normalized in float32, with float32 statistics and weights; the statistics reported
+    in `ctx.aux` are in the variables' dtype, and the output has the input's dtype.
+    """
+
+    UNCAST_VARIABLES = frozenset({"gamma", "beta", "moving_mean", "moving_variance"})
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -46,15 +52,21 @@ class BatchNorm(BaseLayer):
     def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
         """Normalizes with batch statistics in training (recording them in ctx.aux), moving ones otherwise."""
         axes = list(range(inputs.shape.rank - 1))
+        dtype = sensitive_dtype(inputs.dtype)
+        x = tf.cast(inputs, dtype)
         if ctx.training:
-            mean, variance = tf.nn.moments(inputs, axes)
+            mean, variance = tf.nn.moments(x, axes)
             if ctx.aux is not None:
-                count = tf.cast(tf.size(inputs) // tf.shape(inputs)[-1], inputs.dtype)
-                x = tf.stop_gradient(inputs)
-                ctx.aux[self.path] = (tf.reduce_sum(x, axes), tf.reduce_sum(tf.square(x), axes), count)
+                count = tf.cast(tf.size(x) // tf.shape(x)[-1], dtype)
+                xs = tf.stop_gradient(x)
+                sums = (tf.reduce_sum(xs, axes), tf.reduce_sum(tf.square(xs), axes), count)
+                ctx.aux[self.path] = tuple(tf.cast(t, self.dtype) for t in sums)  # in the moving averages' dtype
         else:
             mean, variance = theta["moving_mean"], theta["moving_variance"]
-        return tf.nn.batch_normalization(inputs, mean, variance, theta["beta"], theta["gamma"], self.p.epsilon)
+        beta, gamma = tf.cast(theta["beta"], dtype), tf.cast(theta["gamma"], dtype)
+        out = tf.nn.batch_normalization(x, tf.cast(mean, dtype), tf.cast(variance, dtype), beta, gamma,
+                                        self.p.epsilon)
+        return tf.cast(out, inputs.dtype)
 
     def aux_stats_spec(self) -> dict[str, Any]:
         """(sum, sum of squares) per channel and the element count per channel."""

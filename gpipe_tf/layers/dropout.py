@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
 
 
 class Dropout(BaseLayer):
@@ -40,7 +40,9 @@ class Dropout(BaseLayer):
         if self.p.noise_shape_broadcast_dims:
             dims = set(self.p.noise_shape_broadcast_dims)
             shape = tf.stack([1 if i in dims else shape[i] for i in range(inputs.shape.rank)])
-        uniform = tf.random.stateless_uniform(shape, ctx.layer_seed(self.random_id, self.path), dtype=inputs.dtype)
+        # Drawn in float32 for half-precision inputs: bfloat16's 8-bit mantissa would coarsen the rate.
+        uniform = tf.random.stateless_uniform(shape, ctx.layer_seed(self.random_id, self.path),
+                                              dtype=sensitive_dtype(inputs.dtype))
         keep = tf.cast(uniform >= rate, inputs.dtype)
         return inputs * keep / (1.0 - rate)
 

@@ -9,11 +9,17 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, fprop_dtype_of, num_elements
 
 
 class Embedding(BaseLayer):
-    """Maps integer ids to vectors of size `embedding_dim`; optionally scales them by sqrt(embedding_dim)."""
+    """Maps integer ids to vectors of size `embedding_dim`; optionally scales them by sqrt(embedding_dim).
+
+    Under mixed precision the table stays in its dtype and only the gathered rows are cast: casting the whole
+    table would copy every row in every step.
+    """
+
+    UNCAST_VARIABLES = frozenset({"emb"})
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -34,7 +40,7 @@ class Embedding(BaseLayer):
 
     def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
         """Looks up `inputs` (int ids of any shape); returns shape inputs.shape + [embedding_dim]."""
-        out = tf.gather(theta["emb"], inputs)
+        out = tf.cast(tf.gather(theta["emb"], inputs), self.fprop_dtype)
         if self.p.scale_sqrt_depth:
             out *= math.sqrt(self.p.embedding_dim)
         return out
@@ -46,8 +52,8 @@ class Embedding(BaseLayer):
 
     @classmethod
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
-        """Ids shape plus embedding_dim, in the layer's dtype."""
-        return tf.TensorSpec(input_spec.shape.concatenate([p.embedding_dim]), p.dtype or "float32")
+        """Ids shape plus embedding_dim, in the layer's compute dtype."""
+        return tf.TensorSpec(input_spec.shape.concatenate([p.embedding_dim]), fprop_dtype_of(p))
 
     @classmethod
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:

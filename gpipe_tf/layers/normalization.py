@@ -8,11 +8,17 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
 
 
 class LayerNorm(BaseLayer):
-    """Normalizes the last dimension to zero mean and unit variance, then scales and shifts it."""
+    """Normalizes the last dimension to zero mean and unit variance, then scales and shifts it.
+
+    Half-precision inputs are normalized in float32 with the float32 scale and shift (a bfloat16 scale rounds
+    1.001 to 1.0), and the result is cast back to the input's dtype.
+    """
+
+    UNCAST_VARIABLES = frozenset({"scale", "bias"})
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -31,9 +37,12 @@ class LayerNorm(BaseLayer):
 
     def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
         """Returns (x - mean) / sqrt(var + eps) * scale + bias over the last dimension."""
-        mean, variance = tf.nn.moments(inputs, axes=[-1], keepdims=True)
-        normed = (inputs - mean) * tf.math.rsqrt(variance + self.p.epsilon)
-        return normed * theta["scale"] + theta["bias"]
+        dtype = sensitive_dtype(inputs.dtype)
+        x = tf.cast(inputs, dtype)
+        mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+        normed = (x - mean) * tf.math.rsqrt(variance + self.p.epsilon)
+        out = normed * tf.cast(theta["scale"], dtype) + tf.cast(theta["bias"], dtype)
+        return tf.cast(out, inputs.dtype)
 
     @classmethod
     def num_params(cls, p: InstantiableParams) -> int:

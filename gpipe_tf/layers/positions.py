@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, fprop_dtype_of, num_elements
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.embedding import Embedding
 
@@ -120,8 +120,8 @@ class TokenEmbeddingWithPositions(BaseLayer):
 
     @classmethod
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
-        """Ids shape plus embedding_dim, in the layer's dtype."""
-        return tf.TensorSpec(input_spec.shape.concatenate([p.embedding_dim]), p.dtype or "float32")
+        """Ids shape plus embedding_dim, in the layer's compute dtype."""
+        return tf.TensorSpec(input_spec.shape.concatenate([p.embedding_dim]), fprop_dtype_of(p))
 
     @classmethod
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:

@@ -119,7 +119,7 @@ class SourceEmbedding(BaseLayer):
     def output_spec(cls, p: InstantiableParams, input_spec: Any) -> tuple[Any, Any, Any, Any]:
         """src_ids' spec becomes the embeddings' spec, and tgt_ids' too with embed_target; the rest passes."""
         src, src_pad, tgt, tgt_pad = _four(input_spec, cls.__name__)
-        ep = _embedding_params(p).set(dtype=p.dtype)
+        ep = _embedding_params(p).set(dtype=p.dtype, fprop_dtype=p.fprop_dtype)
         if p.embed_target:
             tgt = ep.cls.output_spec(ep, tgt)
         return ep.cls.output_spec(ep, src), src_pad, tgt, tgt_pad
@@ -234,7 +234,7 @@ class EncoderToDecoder(BaseLayer):
         """(target embeddings, tgt_paddings, memory = x's spec, src_paddings)."""
         x, src_pad, tgt, tgt_pad = _four(input_spec, cls.__name__)
         if p.embed_target:
-            ep = _embedding_params(p).set(dtype=p.dtype)
+            ep = _embedding_params(p).set(dtype=p.dtype, fprop_dtype=p.fprop_dtype)
             tgt = ep.cls.output_spec(ep, tgt)
         return tgt, tgt_pad, x, src_pad
 

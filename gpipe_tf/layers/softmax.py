@@ -8,11 +8,15 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
 
 
 def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) -> tf.Tensor:
-    """Per-example cross-entropy against one-hot targets smoothed as (1 - eps) * onehot + eps / num_classes."""
+    """Per-example cross-entropy against one-hot targets smoothed as (1 - eps) * onehot + eps / num_classes.
+
+    Half-precision logits are cast to float32 first: the log-softmax and the loss are computed in float32.
+    """
+    logits = tf.cast(logits, sensitive_dtype(logits.dtype))
     num_classes = tf.shape(logits)[-1]
     targets = tf.one_hot(labels, num_classes, dtype=logits.dtype)
     if label_smoothing:
@@ -21,7 +25,14 @@ def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) 
 
 
 class SoftmaxCrossEntropy(BaseLayer):
-    """Projects inputs to `num_classes` logits; `xent` gives per-example smoothed cross-entropy."""
+    """Projects inputs to `num_classes` logits; `xent` gives per-example smoothed cross-entropy.
+
+    The projection runs in the compute dtype; the bias is added in the variables' dtype and the logits leave in it
+    (float32 under mixed precision), so the loss, the metrics, decoding's log-probabilities and the bias gradient
+    (a sum over every example) are computed in float32.
+    """
+
+    UNCAST_VARIABLES = frozenset({"b"})
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -46,10 +57,10 @@ class SoftmaxCrossEntropy(BaseLayer):
             self.create_variable("b", [p.num_classes], init=initializers.weight_init("constant", 0.0))
 
     def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
-        """Returns logits of shape inputs.shape[:-1] + [num_classes]."""
-        logits = tf.tensordot(inputs, theta["w"], axes=[[-1], [0]])
+        """Returns logits of shape inputs.shape[:-1] + [num_classes], in the variables' dtype."""
+        logits = tf.cast(tf.tensordot(inputs, theta["w"], axes=[[-1], [0]]), self.dtype)
         if self.p.has_bias:
-            logits += theta["b"]
+            logits += tf.cast(theta["b"], self.dtype)
         return logits
 
     def xent(self, logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
@@ -63,8 +74,8 @@ class SoftmaxCrossEntropy(BaseLayer):
 
     @classmethod
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
-        """Logits: leading dims, last dim num_classes."""
-        return tf.TensorSpec(input_spec.shape[:-1].concatenate([p.num_classes]), input_spec.dtype)
+        """Logits: leading dims, last dim num_classes, in the variables' dtype."""
+        return tf.TensorSpec(input_spec.shape[:-1].concatenate([p.num_classes]), p.dtype or input_spec.dtype)
 
     @classmethod
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:

@@ -138,10 +138,10 @@ class TransformerDecoderLayer(BaseLayer):
         values are projected once here and `extend_step` then ignores its `memory` argument.
         """
         shape = tf.stack([batch_size, max_length, self.p.num_heads, self._head_dim])
-        cache = {"key": tf.zeros(shape, self.dtype), "value": tf.zeros(shape, self.dtype),
+        cache = {"key": tf.zeros(shape, self.fprop_dtype), "value": tf.zeros(shape, self.fprop_dtype),
                  "step": tf.zeros(tf.reshape(batch_size, [1]), tf.int32)}
         if memory is not None:
-            theta = self.theta if theta is None else theta
+            theta = self.fprop_theta if theta is None else theta
             cross, ct = self.children["cross_atten"], theta["cross_atten"]
             ctx = FPropContext(training=False)  # projections are deterministic: no dropout inside them
             cache["cross_key"] = cross.project(ct, "key", memory, ctx)

@@ -40,7 +40,7 @@ class ClassifierTask(BaseTask):
                      ctx: FPropContext) -> tuple[tf.Tensor, Metrics]:
         """Smoothed cross-entropy averaged over the labels (weighted by batch['weights'] if given); metrics:
         loss and accuracy, each weighted by the number of labels (or the sum of their weights)."""
-        features = self.network.fprop(theta["network"], batch["inputs"], ctx)
+        features = self.network.fprop(theta["network"], self.to_fprop_dtype(batch["inputs"]), ctx)
         logits = self.softmax.fprop(theta["softmax"], features, ctx)
         xent = self.softmax.xent(logits, batch["labels"])
         correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), batch["labels"]), xent.dtype)

@@ -128,9 +128,9 @@ class TranslationTask(BaseTask):
         return sum(lp.cls.num_params(lp) for lp in layers) + sp.cls.num_params(sp)
 
     def _network_inputs(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, ...]:
-        # Paddings enter in the model dtype so that they travel as such and masks are built in that dtype.
-        return (tf.cast(batch["src_ids"], tf.int32), tf.cast(batch["src_paddings"], self.dtype),
-                tf.cast(batch["tgt_in_ids"], tf.int32), tf.cast(batch["tgt_paddings"], self.dtype))
+        # Paddings enter in the compute dtype, so that they travel with the activations between stages.
+        return (tf.cast(batch["src_ids"], tf.int32), tf.cast(batch["src_paddings"], self.fprop_dtype),
+                tf.cast(batch["tgt_in_ids"], tf.int32), tf.cast(batch["tgt_paddings"], self.fprop_dtype))
 
     def compute_loss(self, theta: Mapping[str, Any], batch: Mapping[str, tf.Tensor],
                      ctx: FPropContext) -> tuple[tf.Tensor, Metrics]:
@@ -160,11 +160,12 @@ class TranslationTask(BaseTask):
         Greedy search for beam_size=1, else beam search with GNMT's length penalty. Tokens after the first EOS
         are eos_id. Runs eagerly or inside tf.function; uses `theta` (default: this task's variables).
         """
-        theta = self.theta if theta is None else theta
-        net_theta = theta["network"]
+        theta = self.cast_theta(self.theta if theta is None else theta)
+        # The pipeline's layers run one by one here, so each gets its weights cast as its pipeline stage would.
+        net_theta = {name: self.network.children[name].cast_theta(t) for name, t in theta["network"].items()}
         ctx = FPropContext(training=False)
         src_ids = tf.cast(batch["src_ids"], tf.int32)
-        src_paddings = tf.cast(batch["src_paddings"], self.dtype)
+        src_paddings = tf.cast(batch["src_paddings"], self.fprop_dtype)
         static_batch = src_ids.shape[0]
         batch_size = static_batch if static_batch is not None else tf.shape(src_ids)[0]
 

@@ -164,7 +164,7 @@ class Controller:
         self.train_iterator = iter(self.train_input.dataset())
         self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.learner.optimizer,
                                               global_step=self.learner.global_step,
-                                              train_iterator=self.train_iterator)
+                                              train_iterator=self.train_iterator, **self.learner.checkpointed())
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
@@ -201,7 +201,8 @@ class Controller:
             os.remove(done_path)
         # Every worker continues from the chief's state, whether or not it could read the checkpoint itself.
         self.layout.broadcast_from_chief([*self.task.variables, *self.learner.optimizer.variables,
-                                          self.learner.global_step])
+                                          self.learner.global_step,
+                                          *[v for m in self.learner.checkpointed().values() for v in m.variables]])
         step = int(self.learner.global_step.numpy())
         self.layout.check_agreement({"train.max_steps": tp.max_steps,
                                      "input.train.batch_size": self.params.input.train.batch_size})

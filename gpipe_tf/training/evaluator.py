@@ -28,7 +28,7 @@ class Evaluator:
         self._step = tf.function(self._eval_step)
 
     def _eval_step(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
-        _, metrics = self.task.compute_loss(self.task.theta, batch, FPropContext(training=False))
+        _, metrics = self.task.compute_loss(self.task.fprop_theta, batch, FPropContext(training=False))
         return {k: (tf.cast(v, tf.float64) * tf.cast(w, tf.float64), tf.cast(w, tf.float64))
                 for k, (v, w) in metrics.items()}
 

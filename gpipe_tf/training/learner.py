@@ -14,7 +14,9 @@ from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.hyperparams import ParamsError, Params
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.tasks.base_task import BaseTask, Metrics
-from gpipe_tf.training import init_from, lr_schedules, optimizers
+from gpipe_tf.training import init_from
+from gpipe_tf.training import loss_scale as loss_scale_lib
+from gpipe_tf.training import lr_schedules, optimizers
 from gpipe_tf.training.replicas import ReplicaLayout
 
 
@@ -40,6 +42,9 @@ def training_params() -> Params:
              "and their gradients all-reduced (README 'Scaling out').")
     p.define("skip_nonfinite_steps", False, "On a NaN/Inf loss or gradient: False stops training (the last good "
              "checkpoint stays the latest); True skips that step's update and goes on.")
+    p.define("loss_scale", loss_scale_lib.loss_scale_params(), "Loss scaling for float16 computation (method auto: "
+             "dynamic when a layer's fprop_dtype is float16). The scale and the skipped-step count are written to "
+             "TensorBoard as loss_scale and skipped_steps (README 'Mixed precision').")
     return p
 
 
@@ -58,6 +63,7 @@ def check_training_params(tp: Params) -> None:
     init_from.check(tp.init_from)
     if not tp.learning_rate >= 0.0:
         raise ParamsError(f"train.learning_rate={tp.learning_rate!r} must be >= 0")
+    loss_scale_lib.check_loss_scale_params(tp.loss_scale)
 
 
 class Learner(tf.Module):
@@ -76,6 +82,9 @@ class Learner(tf.Module):
         layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)]
         self._stat_layers = [m for m in layers if type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
         self._stepped_layers = [m for m in layers if type(m).set_training_step is not BaseLayer.set_training_step]
+        method = loss_scale_lib.resolve_method(train_params.loss_scale, {m.fprop_dtype for m in layers})
+        self.loss_scale = (None if method == "none" else
+                           loss_scale_lib.LossScale(train_params.loss_scale, method))
         # Slots are created now, eagerly, next to their variables: never inside the traced step.
         self.optimizer.build(self.variables_to_train)
         self.train_step = tf.function(self._train_step)
@@ -95,7 +104,8 @@ class Learner(tf.Module):
         for layer in self._stepped_layers:
             layer.set_training_step(step)
         seed = tf.stack([tf.constant(self.tp.seed, tf.int64), step])
-        loss, metrics, grads, aux, stop = self._loss_and_gradients(batch, seed, stop_requested)
+        scale = None if self.loss_scale is None else self.loss_scale.scale.read_value()
+        loss, metrics, grads, aux, stop = self._loss_and_gradients(batch, seed, stop_requested, scale)
         self.task_metric_names = tuple(sorted(metrics))
         # A NaN/Inf loss or gradient must not reach the variables: the update is skipped and the step reports
         # every non-finite gradient (a mask in variable order, not a "first" that depends on which check ran
@@ -103,6 +113,14 @@ class Learner(tf.Module):
         finite = [tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
         grads_ok = tf.stack(finite) if finite else tf.ones([0], tf.bool)
         all_finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(loss)), tf.reduce_all(grads_ok))
+        report_nonfinite = tf.logical_not(all_finite)
+        if self.loss_scale is not None:
+            # An overflow of the scaled float16 backward is expected now and then: dynamic scaling skips the
+            # step and lowers the scale instead of reporting it (the loss itself is float32, checked as usual).
+            expected = tf.logical_and(tf.reduce_all(tf.math.is_finite(loss)),
+                                      self.loss_scale.is_expected_overflow(tf.reduce_all(grads_ok)))
+            report_nonfinite = tf.logical_and(report_nonfinite, tf.logical_not(expected))
+            self.loss_scale.update(all_finite)
         grads, grad_norm = optimizers.clip_by_global_norm(grads, self.tp.clip_gradient_norm)
         lr = self.learning_rate(step)
 
@@ -118,12 +136,23 @@ class Learner(tf.Module):
         out = {name: tf.cast(value, tf.float32) for name, (value, _) in metrics.items()}
         out.update(loss=tf.cast(loss, tf.float32), grad_norm=tf.cast(grad_norm, tf.float32), learning_rate=lr,
                    var_norm=tf.cast(tf.linalg.global_norm(self.variables_to_train), tf.float32),
-                   nonfinite=tf.logical_not(all_finite), nonfinite_gradients=tf.logical_not(grads_ok), stop=stop)
+                   nonfinite=report_nonfinite, nonfinite_gradients=tf.logical_not(grads_ok), stop=stop)
+        if self.loss_scale is not None:
+            out.update(loss_scale=self.loss_scale.scale.read_value(),
+                       skipped_steps=tf.cast(self.loss_scale.skipped_steps.read_value(), tf.float32))
         return out
 
-    def _loss_and_gradients(self, batch: Mapping[str, tf.Tensor], seed: tf.Tensor, stop: tf.Tensor
+    def checkpointed(self) -> dict[str, tf.Module]:
+        """State of the learner besides the optimizer that checkpoints must hold: the loss scale, when used."""
+        return {} if self.loss_scale is None else {"loss_scale": self.loss_scale}
+
+    def _loss_and_gradients(self, batch: Mapping[str, tf.Tensor], seed: tf.Tensor, stop: tf.Tensor,
+                            loss_scale: tf.Tensor | None = None
                             ) -> tuple[tf.Tensor, Metrics, list[tf.Tensor | None], dict[str, Any], tf.Tensor]:
         """Loss, metrics, gradients, batch-norm statistics and the stop request of the global batch.
+
+        `loss_scale`: each replica's backward pass differentiates its loss times it, and its gradients are
+        divided by it before they are combined (`BaseTask.loss_and_gradients`).
 
         With several replicas each computes its slice's weighted-mean loss; they are combined with the slices'
         loss weights (metrics['loss'][1], e.g. real target tokens), so D replicas take the same step as one model
@@ -131,9 +160,11 @@ class Learner(tf.Module):
         the run to stop after this step; the result is True when any process asked.
         """
         layout = self.layout
+        # Only with a scale: a task overriding loss_and_gradients without loss scaling keeps working.
+        scaling = {} if loss_scale is None else {"loss_scale": loss_scale}
         if layout.num_replicas == 1:
             ctx = FPropContext(training=True, seed=seed, aux={})
-            loss, metrics, grads = self.task.loss_and_gradients(batch, ctx)
+            loss, metrics, grads = self.task.loss_and_gradients(batch, ctx, **scaling)
             return loss, metrics, grads, ctx.aux, stop
         size = microbatch.batch_size(batch)
         if size % layout.num_replicas:
@@ -147,7 +178,7 @@ class Learner(tf.Module):
             # Each replica draws its own dropout masks: the step's seed folded with the global replica index.
             ctx = FPropContext(training=True, seed=tf.random.experimental.stateless_fold_in(seed, g), aux={})
             with tf.device(layout.home_devices[r]), placement.on_replica(r):
-                loss, metrics, grads = self.task.loss_and_gradients(slices[g], ctx)
+                loss, metrics, grads = self.task.loss_and_gradients(slices[g], ctx, **scaling)
             runs.append((loss, metrics, grads, ctx.aux))
         loss0, metrics0, grads0, aux0 = runs[0]
         names = sorted(metrics0)

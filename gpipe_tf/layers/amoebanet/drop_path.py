@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
 
 
 def ramped_keep_prob(keep_prob: float, step: Any, burn_in_steps: int) -> Any:
@@ -31,6 +31,8 @@ class DropPath(BaseLayer):
     The mask is drawn from the stateless seed `ctx.layer_seed(random_id, path)`: a recomputed forward pass and
     every pipeline partition draw the same mask.
     """
+
+    UNCAST_VARIABLES = frozenset({"global_step"})  # a step count: bfloat16 would round it beyond 256
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -52,14 +54,15 @@ class DropPath(BaseLayer):
         p = self.p
         if not ctx.training or p.keep_prob >= 1.0:
             return inputs
+        # The draw and the ramp in float32 for half-precision inputs; the mask is 0 or 1 in any dtype.
+        dtype = sensitive_dtype(inputs.dtype)
         keep = p.keep_prob
         if p.burn_in_steps > 0:
-            keep = tf.cast(ramped_keep_prob(keep, tf.stop_gradient(theta["global_step"]), p.burn_in_steps),
-                           inputs.dtype)
+            keep = tf.cast(ramped_keep_prob(keep, tf.stop_gradient(theta["global_step"]), p.burn_in_steps), dtype)
         shape = tf.concat([tf.shape(inputs)[:1], tf.ones([inputs.shape.rank - 1], tf.int32)], 0)
-        uniform = tf.random.stateless_uniform(shape, ctx.layer_seed(self.random_id, self.path), dtype=inputs.dtype)
-        mask = tf.floor(keep + uniform)
-        return inputs * mask / keep
+        uniform = tf.random.stateless_uniform(shape, ctx.layer_seed(self.random_id, self.path), dtype=dtype)
+        mask = tf.cast(tf.floor(keep + uniform), inputs.dtype)
+        return inputs * mask / (keep if isinstance(keep, float) else tf.cast(keep, inputs.dtype))
 
     def set_training_step(self, step: tf.Tensor) -> None:
         """Moves the ramp-in to `step` (only when drop path ramps in)."""

@@ -19,8 +19,9 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 CATEGORIES = ("matmul", "attention", "normalization", "elementwise", "transfer", "idle")
 
@@ -48,30 +49,100 @@ def category(op_type: str) -> str:
     return "elementwise"
 
 
-def op_seconds(logdir: str) -> dict[str, float]:
-    """Seconds of op execution by op type in the profiler trace (`*.xplane.pb`) under `logdir`."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+def _trace_files(logdir: str) -> list[str]:
+    paths = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))
     if not paths:
         raise FileNotFoundError(f"no *.xplane.pb under {logdir}: the profiler wrote no trace")
+    return paths
+
+
+def _file_op_seconds(path: str) -> tuple[dict[str, float], float]:
+    """(seconds by op type, seconds from the first op's start to the last op's end) of one trace file."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
     totals: dict[str, float] = {}
-    for path in paths:
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            names = plane.event_metadata
-            for line in plane.lines:
-                if not line.name.startswith("tf_Compute"):  # the executor's threads; the python line nests calls
+    first, last = float("inf"), float("-inf")
+    for plane in space.planes:
+        names = plane.event_metadata
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):  # the executor's threads; the python line nests calls
+                continue
+            for event in line.events:
+                name = names[event.metadata_id].name
+                if ":" not in name or any(tag in name for tag in _NOT_OPS):
                     continue
-                for event in line.events:
-                    name = names[event.metadata_id].name
-                    if ":" not in name or any(tag in name for tag in _NOT_OPS):
-                        continue
-                    op_type = name.rsplit(":", 1)[1]
-                    totals[op_type] = totals.get(op_type, 0.0) + event.duration_ps / 1e12
+                op_type = name.rsplit(":", 1)[1]
+                totals[op_type] = totals.get(op_type, 0.0) + event.duration_ps / 1e12
+                start = line.timestamp_ns * 1e-9 + event.offset_ps * 1e-12
+                first, last = min(first, start), max(last, start + event.duration_ps * 1e-12)
+    return totals, max(0.0, last - first)
+
+
+def op_seconds(logdir: str) -> dict[str, float]:
+    """Seconds of op execution by op type in the profiler traces (`*.xplane.pb`) under `logdir`."""
+    totals: dict[str, float] = {}
+    for path in _trace_files(logdir):
+        for op_type, seconds in _file_op_seconds(path)[0].items():
+            totals[op_type] = totals.get(op_type, 0.0) + seconds
     return totals
+
+
+def by_category(op_type_seconds: dict[str, float], wall: float) -> dict[str, float]:
+    """Seconds by category from seconds by op type; 'idle' is what `wall` leaves (0 if ops overlapped more)."""
+    result = {c: 0.0 for c in CATEGORIES}
+    for op_type, seconds in op_type_seconds.items():
+        result[category(op_type)] += seconds
+    result["idle"] = max(0.0, wall - sum(result.values()))
+    return result
+
+
+def trace_workers(profiler_addresses: Sequence[str], run_step: Callable[[], object],
+                  duration_ms: int = 3000) -> list[dict[str, float]]:
+    """Each worker's time by category, as fractions of its traced span, while `run_step` runs steps back to back.
+
+    `profiler_addresses` are the workers' profiler servers (`workers.LocalWorkers(..., profiler=True)`), in task
+    order. The span runs from the worker's first traced op to its last (about `duration_ms`); idle is the part of
+    it in which no op of that worker ran. Returns one dict per worker: category -> fraction of the span.
+    """
+    import tensorflow as tf
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while not stop.is_set():
+                run_step()
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+
+    runner = threading.Thread(target=loop, daemon=True)
+    with tempfile.TemporaryDirectory(prefix="worker_trace_") as logdir:
+        runner.start()
+        try:
+            service = ",".join(f"grpc://{address}" for address in profiler_addresses)
+            tf.profiler.experimental.client.trace(service, logdir, duration_ms)
+        finally:
+            stop.set()
+            runner.join()
+        if errors:
+            raise errors[0]
+        paths = _trace_files(logdir)
+        # One file per worker, named after its profiler address.
+        by_address = {os.path.basename(p).split(".xplane")[0].replace("_", ":"): p for p in paths}
+        shares = []
+        for address in profiler_addresses:
+            path = by_address.get(address)
+            if path is None:
+                raise FileNotFoundError(f"no trace from the worker profiler at {address}; got {sorted(by_address)}")
+            by_type, span = _file_op_seconds(path)
+            if span <= 0:
+                raise RuntimeError(f"the trace of the worker at {address} holds no op: no step ran while tracing")
+            shares.append({c: t / span for c, t in by_category(by_type, span).items()})
+    return shares
 
 
 def breakdown(run_step: Callable[[], object], steps: int = 3) -> dict[str, float]:
@@ -93,11 +164,7 @@ def breakdown(run_step: Callable[[], object], steps: int = 3) -> dict[str, float
             wall = (time.perf_counter() - start) / steps
             tf.profiler.experimental.stop()
         by_type = op_seconds(logdir)
-    result = {c: 0.0 for c in CATEGORIES}
-    for op_type, seconds in by_type.items():
-        result[category(op_type)] += seconds / steps
-    result["idle"] = max(0.0, wall - sum(result.values()))
-    return result
+    return by_category({op_type: seconds / steps for op_type, seconds in by_type.items()}, wall)
 
 
 def format_breakdown(seconds: dict[str, float]) -> str:

@@ -32,6 +32,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Memory figures need TensorFlow's BFC allocator on CPU (otherwise get_memory_info raises on CPUs where oneDNN is
 # off, e.g. without AVX-512); it must be chosen before TensorFlow starts.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
+# oneDNN kernels on every CPU, as the trainer chooses them (trainer.py says why); the workers inherit it.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 TRANSFORMER = dict(layers=8, model_dim=512, heads=8, ffn=2048, seq=64, batch=32)
 # Workload (b), activation-dominated as in the GPipe paper's O(N + L/K x N/M) argument: per-layer activations
@@ -113,8 +115,13 @@ def matmul_flops_per_sec(device: str) -> float:
     return chain * 2.0 * n ** 3 / statistics.median(times)
 
 
-def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Step times on faithful devices (TF worker processes) and the derived efficiencies."""
+# Pipelined configurations whose workers are traced after timing: where each worker's time goes (transfer, idle).
+TRACED = [("transformer", 2, 8, "never", "unrolled"), ("transformer", 2, 8, "never", "fill_drain")]
+
+
+def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    """Step times on faithful devices (TF worker processes), the derived efficiencies, and one line per traced
+    configuration and worker: its time by op category (`bench/op_breakdown.py`)."""
     import tensorflow as tf
 
     from gpipe_tf import workers
@@ -134,7 +141,8 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
         compile_ms = [4, 8, 16, 32]
     configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
     rows = []
-    with workers.LocalWorkers(2) as cluster:
+    traced_lines = []
+    with workers.LocalWorkers(2, profiler=True) as cluster:
         devices = workers.connect(cluster.spec)
         peak = matmul_flops_per_sec(devices[0])
         print(f"# single-core matmul: {peak / 1e9:.1f} GFLOP/s", file=sys.stderr)
@@ -172,6 +180,14 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                 remat_cost=round(t / no_remat, 3) if no_remat else None,
                 peak_memory_mb=None, compile_s=round(compile_s[(workload, k, m, remat, schedule)], 2),
                 flops_fraction=round(steps[(workload, k, m, remat, schedule)][2] / t / (k * peak), 3)))
+        for config in [c for c in TRACED if c in steps]:
+            step, x, _ = steps[config]
+            with tf.device(devices[config[1] - 1]):
+                shares = op_breakdown.trace_workers(cluster.profiler_addresses, lambda: step(x).numpy(), 6000)
+            for worker, share in enumerate(shares):
+                traced_lines.append(f"{config[0]} {config[4]} K={config[1]} M={config[2]} remat={config[3]}, worker "
+                                    f"{worker}: {op_breakdown.format_breakdown(share)}")
+            print(f"# traced {config}", file=sys.stderr)
         # The unrolled schedule's trace grows with M (minutes at M=32), so --quick measures fill_drain only.
         for schedule in ("fill_drain",) if args.quick or args.compare else ("fill_drain", "unrolled"):
             for m in compile_ms:
@@ -184,7 +200,7 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                                  efficiency_bound=round(m / (m + 1), 3), remat_cost=None, peak_memory_mb=None,
                                  compile_s=round(time.perf_counter() - start, 2), flops_fraction=None))
                 print(f"# compiled schedule={schedule} M={m}", file=sys.stderr)
-    return rows
+    return rows, traced_lines
 
 
 def predicted_activation_mb(k: int, m: int, remat: str) -> float:
@@ -329,19 +345,24 @@ def main() -> None:
     if parts is not None:
         print(json.dumps(dict(breakdown=parts)), flush=True)
     if args.breakdown:
-        print(f"one-worker step (workload (a), K=1, M=1, no remat, one thread): {op_breakdown.format_breakdown(parts)}")
+        print(f"one-worker step (workload (a), K=1, M=1, no remat, one thread, {sum(parts.values()):.3f} s): "
+              f"{op_breakdown.format_breakdown(parts)}")
         return
     rows = [] if args.skip_memory or args.compare else memory(args)
     for row in rows:
         print(json.dumps(row), flush=True)
-    for row in [] if args.skip_speed else speed(args):
+    speed_rows, traced_lines = ([], []) if args.skip_speed else speed(args)
+    for row in speed_rows:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(table(rows))
     for line in summary(rows):
         print(line)
     if parts is not None:
-        print(f"one-worker step (workload (a), K=1, M=1, no remat, one thread): {op_breakdown.format_breakdown(parts)}")
+        print(f"one-worker step (workload (a), K=1, M=1, no remat, one thread, {sum(parts.values()):.3f} s): "
+              f"{op_breakdown.format_breakdown(parts)}")
+    for line in traced_lines:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -47,14 +47,20 @@ def cluster_spec(addresses: Sequence[str]) -> dict[str, list[str]]:
 
 
 class LocalWorkers:
-    """K TF servers on 127.0.0.1, one process and `threads` compute threads each; a context manager."""
+    """K TF servers on 127.0.0.1, one process and `threads` compute threads each; a context manager.
 
-    def __init__(self, num_workers: int, threads: int = 1) -> None:
+    With `profiler`, each server also runs a TensorFlow profiler server (`profiler_addresses`, one per worker), so
+    that `tf.profiler.experimental.client.trace` can record what each worker's executor runs, op by op.
+    """
+
+    def __init__(self, num_workers: int, threads: int = 1, profiler: bool = False) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         self.num_workers = num_workers
         self.threads = threads
-        self.addresses = [f"127.0.0.1:{port}" for port in free_ports(num_workers)]
+        ports = free_ports(2 * num_workers if profiler else num_workers)
+        self.addresses = [f"127.0.0.1:{port}" for port in ports[:num_workers]]
+        self.profiler_addresses = [f"127.0.0.1:{port}" for port in ports[num_workers:]]
         self.processes: list[subprocess.Popen] = []
 
     @property
@@ -66,7 +72,9 @@ class LocalWorkers:
         """Starts every server process; returns once all accept connections (or raises)."""
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
         for task in range(self.num_workers):
-            cmd = [sys.executable, "-m", "gpipe_tf.workers", json.dumps(self.spec), str(task), str(self.threads)]
+            profiler_port = self.profiler_addresses[task].split(":")[1] if self.profiler_addresses else "0"
+            cmd = [sys.executable, "-m", "gpipe_tf.workers", json.dumps(self.spec), str(task), str(self.threads),
+                   profiler_port]
             self.processes.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent,
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         deadline = time.time() + 60
@@ -119,9 +127,13 @@ def connect(spec: dict[str, list[str]], inter_op_threads: int = 1) -> list[str]:
     return [f"/job:{JOB}/replica:0/task:{k}/device:CPU:0" for k in range(len(spec[JOB]))]
 
 
-def _serve(spec_json: str, task: int, threads: int) -> None:
+def _serve(spec_json: str, task: int, threads: int, profiler_port: int = 0) -> None:
+    # oneDNN kernels, as the trainer chooses them (trainer.py says why); before TensorFlow starts.
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     import tensorflow as tf
 
+    if profiler_port:
+        tf.profiler.experimental.server.start(profiler_port)
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
     server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec_json)), job_name=JOB, task_index=task,
                                   config=config, start=True)
@@ -129,4 +141,4 @@ def _serve(spec_json: str, task: int, threads: int) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 0)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,3 +115,16 @@ def test_memory_scalars_are_written_on_cpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     peaks = read_scalars(str(tmp_path / "train"))["memory/peak_mb/CPU:0"]
     assert [step for step, _ in peaks] == [10, 20] and all(value > 0 for _, value in peaks), peaks
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])
+def test_trainer_turns_onednn_on_unless_the_user_chose(preset, expected):
+    """oneDNN kernels are faster on CPUs where TensorFlow leaves them off (no AVX-512); a user's choice stands."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
+    if preset is not None:
+        env["TF_ENABLE_ONEDNN_OPTS"] = preset
+    code = "import os, trainer; print(os.environ['TF_ENABLE_ONEDNN_OPTS'])"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected

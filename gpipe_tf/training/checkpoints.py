@@ -203,3 +203,15 @@ def restore_chosen(checkpoint: tf.train.Checkpoint, path: str, what: str = "--ch
                           "a run of this model") from None
     return path
 
+
+def restore_task(task: tf.Module, logdir: str, chosen: str | None, warn: Callable[[str], None]
+                 ) -> tuple[str | None, int]:
+    """Restores a task's weights for reading (decode, export): from `chosen` (--checkpoint) if given, else the
+    newest readable checkpoint in `logdir`. Returns (the path restored or None when there is none, its step)."""
+    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
+    restorable = tf.train.Checkpoint(task=task, global_step=global_step)
+    if chosen:
+        path = restore_chosen(restorable, chosen)
+    else:
+        path = restore_latest(restorable, logdir, partial=True, warn=warn)
+    return path, int(global_step.numpy())

@@ -43,15 +43,9 @@ def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], No
     if not hasattr(task, "decode"):
         raise ConfigError(f"{params.model} has no decode step: --mode=decode is for sequence models "
                           "(translation); use --mode=eval")
-    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    restorable = tf.train.Checkpoint(task=task, global_step=global_step)
-    if checkpoint:
-        path = checkpoints.restore_chosen(restorable, checkpoint)
-    else:
-        path = checkpoints.restore_latest(restorable, logdir, partial=True, warn=log)
+    path, step = checkpoints.restore_task(task, logdir, checkpoint, log)
     if path is None:
         log(f"no checkpoint in {checkpoints.checkpoint_dir(logdir)}: decoding with the initial weights")
-    step = int(global_step.numpy())
     ep = params.eval
     results = {}
     for name in ep.datasets:

@@ -104,16 +104,10 @@ def export(task: BaseTask, params: Params, logdir: str, log: Callable[[str], Non
            export_dir: str | None = None) -> str:
     """Restores `checkpoint` (default: the newest in logdir) into `task` and writes its SavedModel to `export_dir`
     (default logdir/export/<step>); returns that directory. Never overwrites an existing export."""
-    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
-    restorable = tf.train.Checkpoint(task=task, global_step=global_step)
-    if checkpoint:
-        path = checkpoints.restore_chosen(restorable, checkpoint)
-    else:
-        path = checkpoints.restore_latest(restorable, logdir, partial=True, warn=log)
-        if path is None:
-            raise ConfigError(f"no checkpoint in {checkpoints.checkpoint_dir(logdir)} to export; check --logdir, train "
-                              "first, or pass --checkpoint=PATH")
-    step = int(global_step.numpy())
+    path, step = checkpoints.restore_task(task, logdir, checkpoint, log)
+    if path is None:
+        raise ConfigError(f"no checkpoint in {checkpoints.checkpoint_dir(logdir)} to export; check --logdir, train "
+                          "first, or pass --checkpoint=PATH")
     target = export_dir or os.path.join(logdir, EXPORT_DIR, str(step))
     if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
         raise ConfigError(f"{target} already exists; remove it or pass --export_dir=ANOTHER_DIR")

@@ -268,6 +268,12 @@ def breakdown(args: argparse.Namespace) -> dict[str, float]:
     return _run_worker("--breakdown-worker", "--steps", str(max(args.steps, 2)))[0]["breakdown"]
 
 
+def breakdown_line(parts: dict[str, float]) -> str:
+    """The closing line of the one-worker step's breakdown: its seconds and each category's share."""
+    return (f"one-worker step (workload (a), K=1, M=1, no remat, one thread, {sum(parts.values()):.3f} s): "
+            f"{op_breakdown.format_breakdown(parts)}")
+
+
 def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Memory figures from a fresh process (its allocator state is not shared with the speed runs)."""
     return _run_worker("--memory-worker", *(["--quick"] if args.quick else []))
@@ -341,12 +347,11 @@ def main() -> None:
     if args.breakdown_worker:
         breakdown_worker(args.steps)
         return
-    parts = None if args.compare or args.skip_speed else breakdown(args)
+    parts = breakdown(args) if args.breakdown or not (args.compare or args.skip_speed) else None
     if parts is not None:
         print(json.dumps(dict(breakdown=parts)), flush=True)
     if args.breakdown:
-        print(f"one-worker step (workload (a), K=1, M=1, no remat, one thread, {sum(parts.values()):.3f} s): "
-              f"{op_breakdown.format_breakdown(parts)}")
+        print(breakdown_line(parts))
         return
     rows = [] if args.skip_memory or args.compare else memory(args)
     for row in rows:
@@ -359,8 +364,7 @@ def main() -> None:
     for line in summary(rows):
         print(line)
     if parts is not None:
-        print(f"one-worker step (workload (a), K=1, M=1, no remat, one thread, {sum(parts.values()):.3f} s): "
-              f"{op_breakdown.format_breakdown(parts)}")
+        print(breakdown_line(parts))
     for line in traced_lines:
         print(line)
 

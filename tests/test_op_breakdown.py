@@ -83,7 +83,7 @@ TRACE_SCRIPT = textwrap.dedent("""
                 return tf.reduce_sum(y)
 
         step().numpy()
-        print(json.dumps(op_breakdown.trace_workers(cluster.profiler_addresses, lambda: step().numpy(), 1500)))
+        print(json.dumps(op_breakdown.trace_workers(cluster.profiler_addresses, lambda: step().numpy(), 3000)))
 """)
 
 

@@ -104,19 +104,6 @@ def test_resume_after_sigkill_is_exact(tmp_path):
         np.testing.assert_allclose(got[name], ref[name], atol=1e-6, err_msg=name)
 
 
-def test_memory_scalars_are_written_on_cpu(tmp_path):
-    """The trainer chooses TF's BFC allocator itself, so peak memory reaches TensorBoard on every CPU (without it,
-    get_memory_info raises on CPUs where oneDNN is off)."""
-    from gpipe_tf.training.summaries import read_scalars
-
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-    result = trainer(f"--model={KEY}", f"--logdir={tmp_path}", "--max_steps=20", "--quiet",
-                     "--params=train.summary_interval_steps=10", env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    peaks = read_scalars(str(tmp_path / "train"))["memory/peak_mb/CPU:0"]
-    assert [step for step, _ in peaks] == [10, 20] and all(value > 0 for _, value in peaks), peaks
-
-
 @pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])
 def test_trainer_turns_onednn_on_unless_the_user_chose(preset, expected):
     """oneDNN kernels are faster on CPUs where TensorFlow leaves them off (no AVX-512); a user's choice stands."""

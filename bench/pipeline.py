@@ -61,10 +61,12 @@ def layer_params(workload: str) -> tuple[list[Any], list[int]]:
 
 def build_step(workload: str, k: int, m: int, remat: str, devices: list[str], schedule: str = "unrolled"
                ) -> tuple[Callable, Any, float]:
-    """A tf.function train step (loss = mean of squared outputs, SGD update) and its useful flops."""
+    """A tf.function train step (loss = mean of squared outputs, computed in the pipeline's last stage per
+    micro-batch; SGD update) and its useful flops."""
     import tensorflow as tf
 
     from gpipe_tf.gpipe.pipeline import GPipe
+    from gpipe_tf.gpipe.schedule_base import PipelineLoss
     from gpipe_tf.layers.base_layer import FPropContext
 
     layers, shape = layer_params(workload)
@@ -72,18 +74,21 @@ def build_step(workload: str, k: int, m: int, remat: str, devices: list[str], sc
                               devices=devices[:k], schedule=schedule).instantiate()
     variables = pipe.trainable_variables
     ctx = FPropContext(training=True)
+    size = 1.0
+    for d in shape:
+        size *= d
+    loss = PipelineLoss(fn=lambda head, out, targets, micro_ctx: {"loss": tf.reduce_sum(tf.square(out))},
+                        head_weights=(), targets={}, gradient_seed=tf.constant(1.0 / size))
 
     @tf.function
     def step(x: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
-            out = pipe.fprop(pipe.theta, x, ctx)
-            with tf.device(devices[k - 1]):
-                loss = tf.reduce_mean(tf.square(out))
-        grads = tape.gradient(loss, variables)
+            mean_square = pipe.fprop_with_loss(pipe.theta, x, loss, ctx)["loss"] / size
+        grads = tape.gradient(mean_square, variables)
         for v, g in zip(variables, grads):
             with tf.device(v.device):
                 v.assign_sub(1e-6 * g)
-        return loss
+        return mean_square
 
     with tf.device(devices[0]):
         x = tf.random.stateless_normal(shape, [1, 2])

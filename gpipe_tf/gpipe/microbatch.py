@@ -40,6 +40,8 @@ def split_list(structure: Any, num_micro_batches: int) -> list[Any]:
 
 def split(structure: Any, num_micro_batches: int) -> Any:
     """Reshapes every tensor [B, ...] to [M, B/M, ...]; the loop then reads micro-batch i with t[i]."""
+    if not tf.nest.flatten(structure):
+        return structure  # e.g. a loss without targets
     size = check_divisible(structure, num_micro_batches)
     m = num_micro_batches
     return tf.nest.map_structure(lambda t: tf.reshape(t, tf.concat([[m, size // m], tf.shape(t)[1:]], 0)),

@@ -25,6 +25,7 @@ activations; a recomputing stage casts again in its backward and keeps nothing m
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
@@ -33,26 +34,11 @@ from gpipe_tf.gpipe import microbatch, partition, placement, remat
 from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves
 from gpipe_tf.gpipe.plan import StagePlan, make_plan
-from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule
-from gpipe_tf.gpipe.unrolled import Unrolled
+from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
+from gpipe_tf.gpipe.schedules import SCHEDULES, schedule_params  # noqa: F401 (re-exported)
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.sequential import Sequential
-
-# Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its
-# class's default Params.
-SCHEDULES: dict[str, type[Schedule]] = {"fill_drain": FillDrain, "unrolled": Unrolled}
-
-
-def schedule_params(value: Any, path: str = "") -> InstantiableParams:
-    """The schedule Params a GPipe `schedule` field stands for: Params of a `Schedule` class, or a short name."""
-    if isinstance(value, str) and value in SCHEDULES:
-        return SCHEDULES[value].params()
-    if isinstance(value, InstantiableParams) and isinstance(value.cls, type) and issubclass(value.cls, Schedule):
-        return value
-    raise ParamsError(f"{path}.schedule={value!r} is not a schedule: use Params of a Schedule class, e.g. "
-                      f"FillDrain.params() or Unrolled.params(), or one of the names {tuple(SCHEDULES)}")
-
 
 class GPipe(BaseLayer):
     """Runs `layers` as a K-stage pipeline over M micro-batches; numerically the same as running them in order."""
@@ -66,7 +52,8 @@ class GPipe(BaseLayer):
         """Default Params: the layer list, K, M, balance, remat and devices."""
         p = super().params()
         p.define("layers", [], "Layer Params, in order. Each layer's output is the next one's input.")
-        p.define("num_stages", 1, "K: pipeline stages, one per device.")
+        p.define("num_stages", 1, "K: pipeline stages, one per device (the Interleaved schedule runs v stages on "
+                 "each of the K devices).")
         p.define("num_micro_batches", 1, "M: micro-batches per mini-batch; must divide the batch size.")
         p.define("balance", None, "Layers per stage, e.g. [3, 5]; None: balanced automatically by balance_by.")
         p.define("balance_by", "params", f"Automatic balancing cost: one of {partition.BALANCE_BY}.")
@@ -78,10 +65,13 @@ class GPipe(BaseLayer):
         p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
         p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "
                  "overrides device_kind.")
-        p.define("schedule", FillDrain.params(), "The schedule's Params: FillDrain.params() (default; one while "
-                 "loop over micro-batches, graph and trace time constant in M) or Unrolled.params() (every "
-                 "(stage, micro-batch) step its own op group; the graph grows with M x layers). A name from "
-                 f"{tuple(SCHEDULES)} stands for that class's defaults. README 'How the pipeline works' compares them.")
+        p.define("schedule", FillDrain.params(), "The schedule's Params: FillDrain.params() (default; GPipe's "
+                 "order in one while loop, graph and trace time constant in M), OneForwardOneBackward.params() "
+                 "(1F1B: the loss in the last stage, at most K - k micro-batches held by stage k), "
+                 "Interleaved.params().set(virtual_stages=v) (v chunks of layers per device, a smaller bubble) or "
+                 "Unrolled.params() (every (stage, micro-batch) step its own op group; the graph grows with M). A "
+                 f"name from {tuple(SCHEDULES)} stands for that class's defaults. README 'How the pipeline works' "
+                 "says which to pick.")
         p.define("input_gradients", "auto", "Compute the gradient of the pipeline's input? 'auto': only if the "
                  "input is computed from variables (a data batch needs none); True when you watch the input "
                  "yourself (e.g. saliency maps).")
@@ -96,6 +86,7 @@ class GPipe(BaseLayer):
         # D data-parallel replicas (train.num_replicas; the trainer builds the task inside placement.replicas(D)):
         # replica r's stage k on device r*K+k, each with its own gradient sums.
         self.plan: StagePlan = make_plan(p, num_replicas=placement.num_replicas(), path=self.path)
+        schedule.validate(self.plan, p.num_micro_batches, self.path)
         self.replica_devices = [list(devices) for devices in self.plan.devices]
         self.devices = self.replica_devices[0]
         self.replica_scopes = []
@@ -169,18 +160,23 @@ class GPipe(BaseLayer):
         return self._run_all(theta, inputs, ctx)
 
     def _run_all(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
-        for stage in range(self.p.num_stages):
+        for stage in range(self.plan.num_stages):
             inputs = self._run_stage(stage, theta, inputs, ctx)
         return inputs
 
     def micro_batch_context(self, ctx: FPropContext, index: Any, collect_aux: bool) -> FPropContext:
-        """The context of micro-batch `index`: the step's seed folded with the index, its own aux dict."""
+        """The context of micro-batch `index`: the step's seed folded with the index, its own aux dict.
+
+        index None: the whole batch's context (the step's seed itself), for a loss computed on the whole output.
+        """
+        if index is None:
+            return FPropContext(training=ctx.training, seed=ctx.seed, aux={} if collect_aux else None)
         seed = None if ctx.seed is None else tf.random.experimental.stateless_fold_in(
             tf.cast(ctx.seed, tf.int64), tf.cast(index, tf.int64))
         return FPropContext(training=ctx.training, seed=seed, aux={} if collect_aux else None)
 
-    def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
-        """Runs the pipeline on a mini-batch (any nested structure with a common leading batch dimension)."""
+    def _job(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> tuple[PipelineJob, Any]:
+        """The schedule's job for one mini-batch, and the inputs as the schedule gets them."""
         p = self.p
         if self.fprop_dtype != self.dtype:  # mixed precision: boundary activations travel in the compute dtype
             inputs = self.to_fprop_dtype(inputs)
@@ -207,11 +203,39 @@ class GPipe(BaseLayer):
             input_gradient=(depends_on_variables(float_leaves(inputs)) if wanted == "auto" else bool(wanted)),
             output_spec=self._output_structure(
                 tf.nest.map_structure(lambda t: tf.TensorSpec([size] + t.shape[1:], t.dtype), inputs))
-            if self.schedule.needs_output_spec else None)
+            if self.schedule.needs_output_spec else None,
+            training=ctx.training)
+        return job, inputs
+
+    def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
+        """Runs the pipeline on a mini-batch (any nested structure with a common leading batch dimension).
+
+        The caller computes the loss from the outputs; schedules that need the loss inside the pipeline (1F1B)
+        run fill-drain's loop here. Tasks use `fprop_with_loss`.
+        """
+        job, inputs = self._job(theta, inputs, ctx)
         outputs, aux = self.schedule.run(job, inputs)
         if aux is not None:
             ctx.aux.update(aux)
         return outputs
+
+    def fprop_with_loss(self, theta: Mapping[str, Any], inputs: Any, loss: PipelineLoss,
+                        ctx: FPropContext) -> dict[str, tf.Tensor]:
+        """Runs the pipeline and `loss` (computed by the last stage) on a mini-batch: {name: sum over the batch}.
+
+        The "loss" sum is differentiable with respect to the inputs, the weights and `loss.head_weights`; see
+        `PipelineLoss` for what `loss.fn` must return. Every schedule gives the same sums and gradients; 1F1B and
+        Interleaved need this path for their order (the loss gradient of each micro-batch right after its forward).
+        """
+        job, inputs = self._job(theta, inputs, ctx)
+        devices = job.devices
+        with tf.device(devices[-1]):
+            head = tuple(tf.identity(w) for w in loss.head_weights)
+        loss = dataclasses.replace(loss, head_weights=head)
+        sums, aux = self.schedule.run_with_loss(job, inputs, loss)
+        if aux is not None:
+            ctx.aux.update(aux)
+        return sums
 
     # Costs from Params alone are those of the same layers run in sequence.
     @classmethod

@@ -47,6 +47,8 @@ class StagePlan:
       remat: whether each stage recomputes its forward pass in the backward pass (`remat.stage_uses_remat`).
       devices: ``devices[r][k]``, the device of replica r's stage k; None where the plan was made without
         resolving devices (`--mode=inspect`).
+      virtual_stages: pipeline stages per device (v of the Interleaved schedule, else 1): the plan has
+        v x num_stages stages, and stage s runs on device s mod (num_stages of the Params).
     """
 
     balance: tuple[int, ...]
@@ -55,11 +57,17 @@ class StagePlan:
     cost_kind: str | None
     remat: tuple[bool, ...]
     devices: tuple[tuple[str, ...], ...] | None
+    virtual_stages: int = 1
 
     @property
     def num_stages(self) -> int:
-        """K, the number of stages."""
+        """The number of pipeline stages: K, or v x K with v virtual stages per device."""
         return len(self.balance)
+
+    @property
+    def num_devices(self) -> int:
+        """K, the devices one replica's stages run on."""
+        return len(self.balance) // self.virtual_stages
 
     def layer_indices(self, stage: int) -> range:
         """Global indices of the layers of `stage`."""
@@ -105,23 +113,29 @@ def make_plan(p: InstantiableParams, *, input_spec: Any = None, num_replicas: in
       ParamsError: a bad value in `p`; the message names it, the allowed values and the fix.
       TimingRequired: balance_by='time' with no explicit balance and `measure` is None.
     """
+    from gpipe_tf.gpipe.schedules import virtual_stages  # the schedules import this module
+
     path = path or p.name or "GPipe"
     layers = list(p.layers)
-    num_layers, k = len(layers), p.num_stages
+    num_layers, num_devices = len(layers), p.num_stages
+    v = virtual_stages(p.schedule, path)
+    k = num_devices * v
     if not layers:
         raise ParamsError(f"{path}.layers is empty; give the layer Params to pipeline")
-    if k < 1 or k > num_layers:
-        raise ParamsError(f"{path}.num_stages={k!r} must be between 1 and the number of layers ({num_layers}); "
-                          f"use num_stages <= {num_layers}")
+    if num_devices < 1 or k > num_layers:
+        per_device = f" x schedule.virtual_stages={v} = {k} pipeline stages" if v > 1 else ""
+        raise ParamsError(f"{path}.num_stages={num_devices!r}{per_device} must be between 1 and the number of layers "
+                          f"({num_layers}); use num_stages <= {num_layers // v}")
     if p.balance_by not in partition.BALANCE_BY:
         raise ParamsError(f"{path}.balance_by={p.balance_by!r} is not one of {partition.BALANCE_BY}; use one of "
                           "them, or give an explicit balance")
     if p.remat not in remat.POLICIES:
         raise ParamsError(f"{path}.remat={p.remat!r} is not one of {remat.POLICIES}; use one of them ('always' "
                           "keeps only each stage's input per micro-batch)")
-    devices = None if num_replicas is None else _replica_devices(p, num_replicas, path)
+    devices = None if num_replicas is None else tuple(
+        tuple(replica[s % num_devices] for s in range(k)) for replica in _replica_devices(p, num_replicas, path))
     if p.balance is not None:
-        balance, costs, kind = _check_balance(p, num_layers, path), None, None
+        balance, costs, kind = _check_balance(p, k, num_layers, path), None, None
     else:
         costs, kind = _layer_costs(p, layers, input_spec, measure, path), p.balance_by
         balance = tuple(partition.balance_costs(costs, k))
@@ -130,12 +144,14 @@ def make_plan(p: InstantiableParams, *, input_spec: Any = None, num_replicas: in
         names.append(tuple(f"layer_{j}" for j in range(start, start + size)))
         start += size
     return StagePlan(balance=balance, stage_layers=tuple(names), layer_costs=costs, cost_kind=kind,
-                     remat=tuple(remat.stage_uses_remat(p.remat, s, k) for s in range(k)), devices=devices)
+                     remat=tuple(remat.stage_uses_remat(p.remat, s, k) for s in range(k)), devices=devices,
+                     virtual_stages=v)
 
 
-def _check_balance(p: InstantiableParams, num_layers: int, path: str) -> tuple[int, ...]:
-    """The explicit balance as a tuple, or a ParamsError saying which rule it breaks and what would work."""
-    k, given = p.num_stages, p.balance
+def _check_balance(p: InstantiableParams, k: int, num_layers: int, path: str) -> tuple[int, ...]:
+    """The explicit balance of `k` pipeline stages as a tuple, or a ParamsError saying which rule it breaks and
+    what would work."""
+    given = p.balance
     example = partition.balance_costs([1.0] * num_layers, k)
     entries = list(given) if isinstance(given, (list, tuple)) else None
     if entries is None or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in entries):
@@ -150,7 +166,8 @@ def _check_balance(p: InstantiableParams, num_layers: int, path: str) -> tuple[i
     else:
         return tuple(int(b) for b in entries)
     shown = entries if entries is not None else given
-    raise ParamsError(f"{path}.balance={shown!r} must have num_stages={k} positive entries summing to the number of "
+    stages = f"num_stages={k}" if k == p.num_stages else f"num_stages x virtual_stages={k}"
+    raise ParamsError(f"{path}.balance={shown!r} must have {stages} positive entries summing to the number of "
                       f"layers ({num_layers}), but {problem}; use e.g. balance={example}, or balance=None to balance "
                       f"by balance_by={p.balance_by!r}")
 

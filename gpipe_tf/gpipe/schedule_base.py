@@ -25,6 +25,35 @@ from gpipe_tf.layers.base_layer import FPropContext
 RunStage = Callable[[int, Sequence[tf.Tensor], Any, FPropContext], Any]
 # micro_batch_context(index, collect_aux) -> the FPropContext of micro-batch `index` (its own seed and aux dict).
 MicroBatchContext = Callable[[Any, bool], FPropContext]
+# loss_fn(head_weights, outputs, targets, ctx) -> {name: scalar sum over the examples of `outputs`}; "loss" is
+# differentiated, the other entries (metric numerators) are not.
+LossFn = Callable[[Sequence[tf.Tensor], Any, Any, FPropContext], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLoss:
+    """The loss a task hands the pipeline, for its last stage to compute per micro-batch.
+
+    `fn` returns sums over the examples it is given (never means), so that the sums of its values over the M
+    micro-batches equal its values on the whole batch, exactly as the task's full-batch loss; the task divides by
+    its normalizer (e.g. the summed label weights, computed from the targets before the pipeline). Padding and
+    label weights enter through `targets`, so they combine as in the full-batch loss.
+
+    Attributes:
+      fn: see `LossFn`. It runs on the last stage's device, inside the schedule.
+      head_weights: the flat weights `fn` uses (e.g. the softmax layer's), whose gradients the pipeline returns.
+      targets: any nested tensors with the batch dimension first (labels, weights), split into micro-batches like
+        the inputs.
+      gradient_seed: the gradient of the task's loss with respect to the "loss" sum (a float32 scalar: the loss
+        scale over the normalizer), for schedules that run the backward pass inside their forward (1F1B): their
+        backward starts from it, so that loss scaling protects half-precision gradients there as it does in a
+        tape's backward. The gradients returned are rescaled to the caller's true upstream gradient. None: 1.0.
+    """
+
+    fn: LossFn
+    head_weights: tuple[tf.Tensor, ...]
+    targets: Any
+    gradient_seed: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +74,8 @@ class PipelineJob:
       input_gradient: whether the pipeline's input needs a gradient.
       output_spec: the TensorSpecs of one micro-batch's output, for schedules that set `needs_output_spec`
         (it may cost a trace of the stages); else None.
+      training: whether this is a training step (gradients will be taken); schedules that compute gradients in
+        their forward pass (1F1B) do so only then.
     """
 
     plan: StagePlan
@@ -58,6 +89,7 @@ class PipelineJob:
     aux_spec: dict[str, Any]
     input_gradient: bool
     output_spec: Any
+    training: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -80,6 +112,9 @@ class Schedule:
         self.p = params.copy().freeze()
         self.path = path
 
+    def validate(self, plan: StagePlan, num_micro_batches: int, path: str = "") -> None:
+        """Raises ParamsError where this schedule cannot run `plan` with `num_micro_batches` (default: any can)."""
+
     def allocate(self, plan: StagePlan, stage_variables: Sequence[Sequence[tf.Variable]]) -> None:
         """Creates the schedule's state once, when the GPipe layer is built (default: none).
 
@@ -93,3 +128,16 @@ class Schedule:
         the caller's tape asks, are those of the layers run in sequence.
         """
         raise NotImplementedError
+
+    def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
+        """Runs the pipeline and the task's loss on a mini-batch: ({name: sum over the batch}, aux statistics).
+
+        The "loss" sum is differentiable with respect to the inputs, the stages' weights and `loss.head_weights`.
+        This default runs `run` and then `loss.fn` once on the whole output, on the last stage's device: since
+        `fn` returns sums, that equals the sum over micro-batches. Schedules that need each micro-batch's loss
+        gradient before the next micro-batch's forward pass (1F1B) override it.
+        """
+        outputs, aux = self.run(job, inputs)
+        with tf.device(job.devices[-1]):
+            sums = loss.fn(loss.head_weights, outputs, loss.targets, job.micro_batch_context(None, False))
+        return dict(sums), aux

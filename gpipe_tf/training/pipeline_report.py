@@ -49,7 +49,9 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
         for r, devices in enumerate(pipe.replica_devices):
             for k, device in enumerate(devices):
                 holders.setdefault(device, []).append(f"replica {r} stage {k}" if num_replicas > 1 else str(k))
-        shared = {device: names for device, names in holders.items() if len(names) > 1}
+        # The Interleaved schedule puts v pipeline stages on each device on purpose.
+        per_device = pipe.plan.virtual_stages
+        shared = {device: names for device, names in holders.items() if len(names) > per_device}
         if not shared:
             continue
         needed = num_replicas * pipe.p.num_stages

@@ -1,0 +1,55 @@
+"""Interleaved 1F1B (Megatron-LM): each device runs v non-adjacent chunks of layers, which shrinks the bubble.
+
+With K devices and v virtual stages per device the plan has v*K pipeline stages and puts stage s on device
+s mod K, so device d runs chunks d, K + d, ..., (v-1)K + d of the layer sequence (`plan.make_plan`). A micro-batch
+visits every device v times; a pipeline stage is 1/v of a fill-drain stage's work, so the fill and the drain
+are v times shorter: the bubble goes from (K-1)/(M+K-1) toward (K-1)/(vM+K-1), at the price of v times the
+stage-boundary transfers.
+
+The loop is `OneForwardOneBackward`'s over the v*K pipeline stages: micro-batch i's forward through every
+stage, its loss and its backward in one iteration, and pipeline stage s starting micro-batch i only after its
+backward of micro-batch i - (vK - s). Megatron-LM groups micro-batches by K (M must be a multiple of K); this
+schedule asks the same, so that its predicted timeline is Megatron-LM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
+from gpipe_tf.gpipe.plan import StagePlan
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+
+
+class Interleaved(OneForwardOneBackward):
+    """Megatron-LM's interleaved 1F1B: v chunks of layers per device, pipeline stage c*K + d on device d."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: virtual_stages."""
+        p = super().params()
+        p.define("virtual_stages", 2, "v: chunks of layers per device. The pipeline has v x num_stages stages; "
+                 "num_micro_batches must be a multiple of num_stages.")
+        return p
+
+    def __init__(self, params: InstantiableParams, path: str = "") -> None:
+        super().__init__(params, path)
+        value = self.p.virtual_stages
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ParamsError(f"{path}.schedule.virtual_stages={value!r} must be a whole number >= 1 (2 or more "
+                              "interleaves; 1 is OneForwardOneBackward)")
+
+    def validate(self, plan: StagePlan, num_micro_batches: int, path: str = "") -> None:
+        """M must be a multiple of the device count K (Megatron-LM's groups of K micro-batches)."""
+        k = plan.num_devices
+        if num_micro_batches % k:
+            valid = [k, 2 * k, 4 * k]
+            raise ParamsError(f"{path}.num_micro_batches={num_micro_batches} is not a multiple of "
+                              f"num_stages={k}: the Interleaved schedule runs micro-batches in groups of num_stages; "
+                              f"use a multiple of {k} that divides the batch size (e.g. {valid}), or the "
+                              "OneForwardOneBackward schedule")
+
+    @staticmethod
+    def virtual_stages_of(params: Any) -> int:
+        """v of an Interleaved schedule's Params."""
+        return int(params.virtual_stages)

@@ -1,0 +1,34 @@
+"""The schedules a GPipe layer can run, by name, and the Params a `schedule` field stands for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpipe_tf.gpipe.fill_drain import FillDrain
+from gpipe_tf.gpipe.interleaved import Interleaved
+from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
+from gpipe_tf.gpipe.schedule_base import Schedule
+from gpipe_tf.gpipe.unrolled import Unrolled
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+
+# Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its
+# class's default Params.
+SCHEDULES: dict[str, type[Schedule]] = {"fill_drain": FillDrain, "one_f_one_b": OneForwardOneBackward,
+                                        "interleaved": Interleaved, "unrolled": Unrolled}
+
+
+def schedule_params(value: Any, path: str = "") -> InstantiableParams:
+    """The schedule Params a GPipe `schedule` field stands for: Params of a `Schedule` class, or a short name."""
+    if isinstance(value, str) and value in SCHEDULES:
+        return SCHEDULES[value].params()
+    if isinstance(value, InstantiableParams) and isinstance(value.cls, type) and issubclass(value.cls, Schedule):
+        return value
+    raise ParamsError(f"{path}.schedule={value!r} is not a schedule: use Params of a Schedule class, e.g. "
+                      "FillDrain.params(), OneForwardOneBackward.params(), Interleaved.params().set(virtual_stages=2) "
+                      f"or Unrolled.params(), or one of the names {tuple(SCHEDULES)}")
+
+
+def virtual_stages(value: Any, path: str = "") -> int:
+    """Pipeline stages per device of the schedule a `schedule` field stands for: v for Interleaved, else 1."""
+    p = schedule_params(value, path)
+    return Interleaved.virtual_stages_of(p) if issubclass(p.cls, Interleaved) else 1

@@ -150,7 +150,8 @@ class OneForwardOneBackward(FillDrain):
                     initial_tokens.append(tuple(tf.constant(0) for _ in range(windows[s])))
                     initial_sums.append(tuple(tf.zeros_like(w) for w in thetas[s]))
             with tf.device(devices[-1]):
-                head_zeros = tuple(tf.zeros_like(w) for w in head_ws)
+                # Half-precision head weights (cast by the task) still sum their gradients in float32.
+                head_zeros = tuple(tf.zeros(w.shape, _sum_dtype(w.dtype)) for w in head_ws)
                 value_zeros = tuple(tf.zeros(value_spec[n].shape, value_spec[n].dtype) for n in names)
                 aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in flat_aux_spec)
             with tf.device(devices[0]):
@@ -185,13 +186,18 @@ class OneForwardOneBackward(FillDrain):
                     with tf.device(devices[s]):
                         grads += [g * _rescale(d_loss, seed, g.dtype) for g in grad_sums[s]]
                 with tf.device(devices[-1]):
-                    grads += [g * _rescale(d_loss, seed, g.dtype) for g in head_sums]
+                    grads += [tf.cast(g * _rescale(d_loss, seed, g.dtype), w.dtype) for g, w in zip(head_sums, head_ws)]
                 return grads
 
             return list(values), grad_fn
 
         flat_values = pipeline(*flat_inputs, *[w for flat in flat_theta for w in flat], *head)
         return dict(zip(names, flat_values)), result.get("aux")
+
+
+def _sum_dtype(dtype: tf.DType) -> tf.DType:
+    """float32 for half-precision values, else their own dtype."""
+    return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
 
 
 def _rescale(upstream: tf.Tensor | None, seed: tf.Tensor, dtype: tf.DType) -> tf.Tensor:

@@ -49,11 +49,14 @@ class FPropContext:
         count of its inputs, keyed by layer path). Statistics leave the forward pass this way, not by
         updating variables, so that recomputation cannot apply them twice; the learner applies them once
         per step (`BaseLayer.apply_aux_stats`).
+      loss_scale: None, or the float32 scalar the training step multiplies its loss by (mixed-precision loss
+        scaling); schedules that run the backward pass inside the pipeline (1F1B) start it from this scale.
     """
 
     training: bool = False
     seed: Any = None
     aux: dict | None = None
+    loss_scale: Any = None
 
     def layer_seed(self, random_id: int, layer_path: str) -> tf.Tensor:
         """The stateless seed for one layer: `seed` with the layer's id folded in."""

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 
 from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.schedule_base import PipelineLoss
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 
 # A metric is (value, weight): evaluation averages values weighted by their weights across batches.
 Metrics = dict[str, tuple[tf.Tensor, tf.Tensor]]
+# head(head_theta, network_outputs, targets, ctx) -> {name: sum over the examples}, with a "loss" entry.
+Head = Callable[[Any, Any, Any, FPropContext], dict]
 
 
 class BaseTask(BaseLayer):
@@ -32,6 +37,8 @@ class BaseTask(BaseLayer):
         the whole model; pipelined layers run their own schedules inside it.
         """
         variables = self.trainable_variables
+        if loss_scale is not None:
+            ctx = dataclasses.replace(ctx, loss_scale=loss_scale)  # the same aux dict: a shallow copy
         with tf.GradientTape() as tape:
             loss, metrics = self.compute_loss(self.fprop_theta, batch, ctx)
             scaled = loss if loss_scale is None else loss * tf.cast(loss_scale, loss.dtype)
@@ -41,6 +48,28 @@ class BaseTask(BaseLayer):
         if loss_scale is not None:
             grads = [_unscale(g, loss_scale) for g in grads]
         return loss, metrics, grads
+
+    def network_and_head(self, network: BaseLayer, network_theta: Any, inputs: Any, head: Head, head_theta: Any,
+                         targets: Any, normalizer: tf.Tensor, ctx: FPropContext) -> dict[str, tf.Tensor]:
+        """`head`'s sums over the batch of `network`'s outputs: the one way tasks compute their loss.
+
+        `head` returns sums over the examples it is given ("loss" and metric numerators); the task divides them by
+        `normalizer` (the full batch's summed label weights), so the result is the same whether the head sees the
+        whole batch or one micro-batch at a time. A `GPipe` network runs the head in its last stage
+        (`GPipe.fprop_with_loss`): per micro-batch where the schedule needs it (1F1B, Interleaved), whose backward
+        then starts from loss_scale / normalizer. Any other network runs, then the head on its whole output.
+        """
+        if not isinstance(network, GPipe):
+            return head(head_theta, network.fprop(network_theta, inputs, ctx), targets, ctx)
+        flat_head = tf.nest.flatten(head_theta)
+
+        def fn(weights: Any, outputs: Any, micro_targets: Any, micro_ctx: FPropContext) -> dict:
+            return head(tf.nest.pack_sequence_as(head_theta, list(weights)), outputs, micro_targets, micro_ctx)
+
+        scale = tf.constant(1.0) if ctx.loss_scale is None else tf.cast(ctx.loss_scale, tf.float32)
+        # divide_no_nan: a batch of padding only (normalizer 0) seeds zeros, as its loss has zero gradients.
+        seed = tf.math.divide_no_nan(scale, tf.cast(normalizer, tf.float32))
+        return network.fprop_with_loss(network_theta, inputs, PipelineLoss(fn, tuple(flat_head), targets, seed), ctx)
 
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
         """Tasks are run through `compute_loss`; `fprop` is the same computation, returning (loss, metrics)."""

@@ -39,18 +39,32 @@ class ClassifierTask(BaseTask):
     def compute_loss(self, theta: Mapping[str, Any], batch: Mapping[str, tf.Tensor],
                      ctx: FPropContext) -> tuple[tf.Tensor, Metrics]:
         """Smoothed cross-entropy averaged over the labels (weighted by batch['weights'] if given); metrics:
-        loss and accuracy, each weighted by the number of labels (or the sum of their weights)."""
-        features = self.network.fprop(theta["network"], self.to_fprop_dtype(batch["inputs"]), ctx)
-        logits = self.softmax.fprop(theta["softmax"], features, ctx)
-        xent = self.softmax.xent(logits, batch["labels"])
-        correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), batch["labels"]), xent.dtype)
-        if "weights" not in batch:
-            loss = tf.reduce_mean(xent)
-            weight = tf.cast(tf.size(xent), loss.dtype)
-            return loss, {"loss": (loss, weight), "accuracy": (tf.reduce_mean(correct), weight)}
-        weights = tf.ensure_shape(tf.cast(batch["weights"], xent.dtype), xent.shape)
-        weight = tf.reduce_sum(weights)
+        loss and accuracy, each weighted by the number of labels (or the sum of their weights).
+
+        The softmax and the sums run where `network_and_head` puts them: in a pipeline's last stage, per
+        micro-batch if its schedule needs that."""
+        labels = batch["labels"]
+        targets = {"labels": labels}
+        if "weights" in batch:
+            targets["weights"] = batch["weights"]
+            weight = tf.reduce_sum(tf.cast(batch["weights"], tf.float32))
+        else:
+            weight = tf.cast(tf.size(labels), tf.float32)
+        sums = self.network_and_head(self.network, theta["network"], self.to_fprop_dtype(batch["inputs"]),
+                                     self._head, theta["softmax"], targets, weight, ctx)
+        weight = tf.cast(weight, sums["loss"].dtype)
         # divide_no_nan: a batch of padding only (weight 0) gives loss 0 and zero gradients, not NaN.
-        loss = tf.math.divide_no_nan(tf.reduce_sum(xent * weights), weight)
-        accuracy = tf.math.divide_no_nan(tf.reduce_sum(correct * weights), weight)
+        loss = tf.math.divide_no_nan(sums["loss"], weight)
+        accuracy = tf.math.divide_no_nan(sums["accuracy"], weight)
         return loss, {"loss": (loss, weight), "accuracy": (accuracy, weight)}
+
+    def _head(self, theta: Mapping[str, Any], features: tf.Tensor, targets: Mapping[str, tf.Tensor],
+              ctx: FPropContext) -> dict[str, tf.Tensor]:
+        """Summed (weighted) cross-entropy and correct predictions of `features`' logits."""
+        logits = self.softmax.fprop(theta, features, ctx)
+        xent = self.softmax.xent(logits, targets["labels"])
+        correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), targets["labels"]), xent.dtype)
+        if "weights" not in targets:
+            return {"loss": tf.reduce_sum(xent), "accuracy": tf.reduce_sum(correct)}
+        weights = tf.ensure_shape(tf.cast(targets["weights"], xent.dtype), xent.shape)
+        return {"loss": tf.reduce_sum(xent * weights), "accuracy": tf.reduce_sum(correct * weights)}

@@ -134,19 +134,29 @@ class TranslationTask(BaseTask):
 
     def compute_loss(self, theta: Mapping[str, Any], batch: Mapping[str, tf.Tensor],
                      ctx: FPropContext) -> tuple[tf.Tensor, Metrics]:
-        """Label-smoothed cross-entropy averaged over real target tokens; metrics: loss, token_accuracy."""
-        features = self.network.fprop(theta["network"], self._network_inputs(batch), ctx)
-        logits = self.softmax.fprop(theta["softmax"], features, ctx)
-        labels = tf.cast(batch["tgt_out_ids"], tf.int32)
-        xent = self.softmax.xent(logits, labels)
-        weights = 1.0 - tf.cast(batch["tgt_paddings"], xent.dtype)
-        num_tokens = tf.reduce_sum(weights)
+        """Label-smoothed cross-entropy averaged over real target tokens; metrics: loss, token_accuracy.
+
+        The softmax and the sums run in the pipeline's last stage (`network_and_head`), per micro-batch where the
+        schedule needs it."""
+        targets = {"labels": tf.cast(batch["tgt_out_ids"], tf.int32), "paddings": batch["tgt_paddings"]}
+        num_tokens = tf.reduce_sum(1.0 - tf.cast(batch["tgt_paddings"], tf.float32))
         # max(., 1) keeps an all-padding batch finite; real batches always have tokens.
         denom = tf.maximum(num_tokens, 1.0)
-        loss = tf.reduce_sum(xent * weights) / denom
-        correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), xent.dtype)
-        accuracy = tf.reduce_sum(correct * weights) / denom
+        sums = self.network_and_head(self.network, theta["network"], self._network_inputs(batch), self._head,
+                                     theta["softmax"], targets, denom, ctx)
+        num_tokens, denom = (tf.cast(t, sums["loss"].dtype) for t in (num_tokens, denom))
+        loss = sums["loss"] / denom
+        accuracy = sums["correct"] / denom
         return loss, {"loss": (loss, num_tokens), "token_accuracy": (accuracy, num_tokens)}
+
+    def _head(self, theta: Mapping[str, Any], features: tf.Tensor, targets: Mapping[str, tf.Tensor],
+              ctx: FPropContext) -> dict[str, tf.Tensor]:
+        """Summed cross-entropy and correct predictions over the real target tokens of `features`' logits."""
+        logits = self.softmax.fprop(theta, features, ctx)
+        xent = self.softmax.xent(logits, targets["labels"])
+        weights = 1.0 - tf.cast(targets["paddings"], xent.dtype)
+        correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), targets["labels"]), xent.dtype)
+        return {"loss": tf.reduce_sum(xent * weights), "correct": tf.reduce_sum(correct * weights)}
 
     def _layer(self, index: int) -> tuple[Any, str]:
         name = f"layer_{index}"

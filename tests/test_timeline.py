@@ -264,3 +264,182 @@ def test_default_tick_is_coarsened_for_extreme_cost_spreads():
     t = timeline.predict(2, 2, [1e-7, 1.0])
     _, rows = _text_rows(timeline.render_text(t), 2, 2)
     assert len(rows[0]) <= 4096
+
+
+# --- 1F1B and interleaved schedules --------------------------------------------------------------------------
+
+SCHEDULE_CASES = [
+    ("fill_drain", 1, 3, 5, None, False),
+    ("one_f_one_b", 1, 1, 3, None, False),
+    ("one_f_one_b", 1, 4, 2, None, False),  # M < K: no steady phase
+    ("one_f_one_b", 1, 4, 8, [2.0, 1.0, 1.0, 3.0], [True, False, True, False]),
+    ("one_f_one_b", 1, 3, 7, [0.3, 1.7, 0.9], True),
+    ("interleaved", 2, 2, 4, None, False),
+    ("interleaved", 2, 2, 2, None, False),  # M == K: every forward is warm-up
+    ("interleaved", 3, 3, 6, [0.5, 1.0, 0.2, 0.7, 0.3, 0.9, 1.1, 0.4, 0.6], False),
+    ("interleaved", 2, 4, 8, None, [True, False] * 4),
+    ("interleaved", 1, 2, 4, None, False),
+]
+
+
+def _check_schedule(t):
+    """Every (pipeline stage, micro-batch) forward and backward exactly once, no overlap on a row, every
+    dependency respected; returns the F and B cells keyed by (pipeline stage, micro-batch)."""
+    k, m, v = t.num_stages, t.num_micro_batches, t.virtual_stages
+    stages = k * v
+    assert t.num_pipeline_stages == stages
+    keys = [(t.pipeline_stage(c), c.micro_batch, c.phase) for c in t.cells]
+    assert sorted(keys) == sorted((s, i, p) for s in range(stages) for i in range(m) for p in "FB")
+    f = {(t.pipeline_stage(c), c.micro_batch): c for c in t.cells if c.phase == "F"}
+    b = {(t.pipeline_stage(c), c.micro_batch): c for c in t.cells if c.phase == "B"}
+    for c in t.cells:
+        assert 0 <= c.stage < k and 0 <= c.chunk < v
+    for row in range(k):
+        cells = t.stage_cells(row)
+        assert {t.pipeline_stage(c) for c in cells} == {c * k + row for c in range(v)}
+        for prev, nxt in zip(cells, cells[1:]):
+            assert nxt.start >= prev.end - 1e-12
+    for s in range(stages):
+        for i in range(m):
+            if s > 0:
+                assert f[s, i].start >= f[s - 1, i].end - 1e-12
+            upstream = b[s + 1, i] if s < stages - 1 else f[s, i]
+            assert b[s, i].start >= upstream.end - 1e-12
+    assert t.makespan == max(c.end for c in t.cells)
+    assert min(c.start for c in t.cells) == 0.0
+    return f, b
+
+
+def _as_soon_as_possible(t, f, b):
+    """Each cell starts at its row's previous cell's end or at its dependency's end, whichever is later."""
+    k, stages = t.num_stages, t.num_pipeline_stages
+    for row in range(k):
+        free = 0.0
+        for c in t.stage_cells(row):
+            s, i = t.pipeline_stage(c), c.micro_batch
+            if c.phase == "F":
+                ready = f[s - 1, i].end if s > 0 else 0.0
+            else:
+                ready = b[s + 1, i].end if s < stages - 1 else f[s, i].end
+            assert c.start == pytest.approx(max(free, ready), abs=1e-12), c
+            free = c.end
+
+
+@pytest.mark.parametrize("schedule,v,k,m,costs,remat", SCHEDULE_CASES)
+def test_every_schedule_runs_every_cell_once_in_dependency_order(schedule, v, k, m, costs, remat):
+    t = timeline.predict(k, m, costs, remat=remat, schedule=schedule, virtual_stages=v)
+    assert (t.schedule, t.virtual_stages) == (schedule, v)
+    f, b = _check_schedule(t)
+    _as_soon_as_possible(t, f, b)
+    # Costs: a forward stage_costs[s], a backward 2x that, plus 1x where the stage recomputes.
+    stage_costs = costs or [1.0] * (k * v)
+    recompute = remat if isinstance(remat, list) else [remat] * (k * v)
+    for (s, _), c in f.items():
+        assert c.duration == pytest.approx(stage_costs[s])
+    for (s, _), c in b.items():
+        assert c.duration == pytest.approx(stage_costs[s] * (3.0 if recompute[s] else 2.0))
+
+
+def _expected_one_f_one_b(k, m, stage):
+    w = min(k - stage - 1, m)
+    order = [("F", i) for i in range(w)]
+    for j in range(m - w):
+        order += [("F", w + j), ("B", j)]
+    return order + [("B", i) for i in range(m - w, m)]
+
+
+@pytest.mark.parametrize("k,m", [(4, 8), (4, 2), (3, 3), (1, 4)])
+def test_one_f_one_b_runs_warm_up_steady_and_cool_down_on_each_stage(k, m):
+    t = timeline.predict(k, m, schedule="one_f_one_b")
+    for stage in range(k):
+        assert [(c.phase, c.micro_batch) for c in t.stage_cells(stage)] == _expected_one_f_one_b(k, m, stage)
+
+
+def test_interleaved_order_matches_megatron_by_hand():
+    # K=2, v=2, M=4. Device 0: warm-up min(2*(K-0-1) + (v-1)*K, v*M) = 4 forwards in groups of K micro-batches
+    # (chunk 0 of 0, 1; chunk 1 of 0, 1), then F 2a / B 0b, F 3a / B 1b, F 2b / B 0a, F 3b / B 1a, then the
+    # cool-down; backwards take each group's chunks from the last down. Device 1: warm-up 2.
+    t = timeline.predict(2, 4, schedule="interleaved", virtual_stages=2)
+    order = [[f"{c.micro_batch}{'ab'[c.chunk]}{c.phase}" for c in t.stage_cells(d)] for d in range(2)]
+    assert order[0] == ["0aF", "1aF", "0bF", "1bF", "2aF", "0bB", "3aF", "1bB", "2bF", "0aB", "3bF", "1aB",
+                        "2bB", "3bB", "2aB", "3aB"]
+    assert order[1] == ["0aF", "1aF", "0bF", "0bB", "1bF", "1bB", "2aF", "0aB", "3aF", "1aB", "2bF", "2bB",
+                        "3bF", "3bB", "2aB", "3aB"]
+    # M == K: all forwards first, as Megatron-LM does.
+    t = timeline.predict(3, 3, schedule="interleaved", virtual_stages=2)
+    for d in range(3):
+        phases = [c.phase for c in t.stage_cells(d)]
+        assert phases == ["F"] * 6 + ["B"] * 6
+
+
+@pytest.mark.parametrize("ratio", [2.0, 1.0, 3.5])
+def test_one_f_one_b_has_fill_drains_bubble_for_equal_stages(ratio):
+    for k, m in itertools.product([1, 2, 3, 4, 7], [1, 2, 4, 5, 16]):
+        t = timeline.predict(k, m, backward_ratio=ratio, schedule="one_f_one_b")
+        assert t.bubble_fraction == pytest.approx(float(Fraction(k - 1, m + k - 1)), abs=1e-12), (k, m)
+        assert t.ideal_bubble_fraction() == pytest.approx(float(Fraction(k - 1, m + k - 1)), abs=1e-12)
+        assert t.makespan == pytest.approx((1 + ratio) * (m + k - 1), rel=1e-12)
+
+
+def _max_in_flight(t, stage):
+    """The most micro-batches stage `stage` holds at once: forward started, backward not yet finished."""
+    f = {c.micro_batch: c for c in t.stage_cells(stage) if c.phase == "F"}
+    b = {c.micro_batch: c for c in t.stage_cells(stage) if c.phase == "B"}
+    times = sorted({c.start for c in f.values()})
+    return max(sum(1 for i in f if f[i].start <= time < b[i].end) for time in times)
+
+
+@pytest.mark.parametrize("k,m,costs", [(4, 8, None), (4, 16, [1.0, 3.0, 0.5, 2.0]), (3, 2, None), (2, 9, [2, 1])])
+def test_one_f_one_b_holds_at_most_k_minus_k_micro_batches(k, m, costs):
+    one_f_one_b = timeline.predict(k, m, costs, schedule="one_f_one_b")
+    fill_drain = timeline.predict(k, m, costs)
+    for stage in range(k):
+        assert _max_in_flight(one_f_one_b, stage) == min(k - stage, m)
+        assert _max_in_flight(fill_drain, stage) == m
+
+
+@pytest.mark.parametrize("ratio", [2.0, 1.0, 3.5])
+@pytest.mark.parametrize("k,m,v,bubble", [
+    (2, 4, 2, Fraction(1, 9)), (2, 2, 2, Fraction(1, 5)), (2, 8, 2, Fraction(1, 17)), (3, 6, 2, Fraction(1, 7)),
+    (4, 8, 2, Fraction(3, 19)), (4, 4, 2, Fraction(3, 11)), (4, 8, 3, Fraction(1, 9)), (2, 4, 3, Fraction(1, 13)),
+    (3, 9, 3, Fraction(2, 29)), (2, 4, 1, Fraction(1, 5)),
+])
+def test_interleaved_bubble_for_equal_per_device_work(ratio, k, m, v, bubble):
+    # Each chunk costs 1/v of a fill-drain stage, so every device does the same work as under fill-drain. The
+    # simulation reaches the bound (K-1)/(vM+K-1) exactly for these (K, M, v) (hand-checked: K=2, M=4, v=2
+    # drains in 13.5 = 3 * (4 + 1/2) units against fill-drain's 15).
+    t = timeline.predict(k, m, [1 / v] * (k * v), ratio, schedule="interleaved", virtual_stages=v)
+    assert bubble == Fraction(k - 1, v * m + k - 1)
+    assert t.bubble_fraction == pytest.approx(float(bubble), abs=1e-12)
+    assert t.ideal_bubble_fraction() == pytest.approx(float(bubble), abs=1e-12)
+    assert t.makespan == pytest.approx((1 + ratio) * (m + (k - 1) / v), rel=1e-12)
+
+
+def test_interleaving_shrinks_the_bubble_of_the_same_work():
+    fill_drain = timeline.predict(2, 4)
+    interleaved = timeline.predict(2, 4, [0.5] * 4, schedule="interleaved", virtual_stages=2)
+    assert interleaved.makespan == pytest.approx(13.5) and fill_drain.makespan == pytest.approx(15.0)
+    assert interleaved.bubble_fraction < fill_drain.bubble_fraction - 0.08
+    assert interleaved.ideal_bubble_fraction() < fill_drain.ideal_bubble_fraction()
+
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(schedule="1f1b"), "schedule='1f1b' is invalid: it must be one of 'fill_drain', 'one_f_one_b', "
+                            "'interleaved'"),
+    (dict(schedule=None), "schedule=None"),
+    (dict(virtual_stages=2), "virtual_stages=2 is invalid with schedule='fill_drain'"),
+    (dict(schedule="one_f_one_b", virtual_stages=3), "virtual_stages=3 is invalid with schedule='one_f_one_b'"),
+    (dict(schedule="interleaved", virtual_stages=0), "virtual_stages=0"),
+    (dict(schedule="interleaved", virtual_stages=2, num_micro_batches=5),
+     "num_micro_batches=5 is not a multiple of num_stages=2: the interleaved schedule runs micro-batches in groups "
+     "of K; use num_micro_batches=6 or 4, or schedule='one_f_one_b'"),
+    (dict(schedule="interleaved", virtual_stages=2, num_micro_batches=1), "use num_micro_batches=2, or"),
+    (dict(schedule="interleaved", virtual_stages=2, stage_costs=[1.0, 1.0]),
+     "stage_costs=[1.0, 1.0] has 2 entries for num_stages=2 x virtual_stages=2 = 4 pipeline stages"),
+    (dict(schedule="interleaved", virtual_stages=2, remat=[True, False]), "remat=[True, False] has 2 entries"),
+])
+def test_invalid_schedule_arguments_name_the_value(kwargs, names):
+    args = dict(num_stages=2, num_micro_batches=4)
+    args.update(kwargs)
+    with pytest.raises(ParamsError, match=re.escape(names)):
+        timeline.predict(**args)

@@ -40,9 +40,9 @@ from gpipe_tf.hyperparams import ParamsError
 if TYPE_CHECKING:  # TensorFlow is only needed for the picture; predicting and text stay import-light.
     import tensorflow as tf
 
-__all__ = ["Cell", "Timeline", "PictureLayout", "SCHEDULES", "predict", "render_text", "render_png", "image_tensor",
-           "picture_layout", "title", "cell_color", "render_comparison_text", "render_comparison_png",
-           "comparison_layout",
+__all__ = ["Cell", "Timeline", "PictureLayout", "SCHEDULES", "check_schedule", "predict", "render_text",
+           "render_png", "image_tensor", "picture_layout", "title", "cell_color", "render_comparison_text",
+           "render_comparison_png", "comparison_layout",
            "FORWARD_COLORS", "BACKWARD_COLORS", "TRANSFER_COLOR", "IDLE_COLOR", "GRID_COLOR", "TEXT_COLOR",
            "LIGHT_TEXT_COLOR"]
 
@@ -163,7 +163,7 @@ class Timeline:
         Raises:
           ParamsError: an argument or a cell is out of range, or the cells span no time.
         """
-        schedule, v = _check_schedule(schedule, virtual_stages)
+        schedule, v = check_schedule(schedule, virtual_stages)
         k = _check_count("num_stages", num_stages, "the number of pipeline stages (devices for interleaved)")
         m = _check_count("num_micro_batches", num_micro_batches, "the number of micro-batches per batch")
         if isinstance(cells, (str, bytes)) or not isinstance(cells, _SEQUENCES) or len(cells) == 0:
@@ -242,7 +242,12 @@ def _check_positive(name: str, value: object, what: str) -> float:
     return float(value)
 
 
-def _check_schedule(schedule: object, virtual_stages: object) -> tuple[str, int]:
+def check_schedule(schedule: object, virtual_stages: object) -> tuple[str, int]:
+    """(schedule, virtual_stages) checked: a name in SCHEDULES and an int v >= 1, v > 1 only when interleaved.
+
+    Raises:
+      ParamsError: naming the bad value and the allowed ones.
+    """
     if schedule not in SCHEDULES:
         raise ParamsError(f"schedule={schedule!r} is invalid: it must be one of {', '.join(map(repr, SCHEDULES))}")
     v = _check_count("virtual_stages", virtual_stages, "chunks of layers per device")
@@ -430,7 +435,7 @@ def predict(num_stages: int, num_micro_batches: int, stage_costs: Sequence[float
     Raises:
       ParamsError: an argument is out of range or has the wrong length.
     """
-    schedule, v = _check_schedule(schedule, virtual_stages)
+    schedule, v = check_schedule(schedule, virtual_stages)
     k_stages = _check_count("num_stages", num_stages, "the number of pipeline stages (devices for interleaved)")
     m = _check_count("num_micro_batches", num_micro_batches, "the number of micro-batches per batch")
     if schedule == INTERLEAVED and m % k_stages:
@@ -487,8 +492,8 @@ def _grid(timeline: Timeline, tick: float, columns: int) -> list[list[Cell | Non
     """grid[row][column]: the cell running at the middle of that column, or None when the row is idle.
 
     Sampling the midpoint shows every cell at least once when tick <= its duration, since any interval of one
-    tick's length holds exactly one midpoint (unless a measured cell overlaps another that `_drawing_priority`
-    prefers).
+    tick's length holds exactly one midpoint. Measured cells of a row may overlap, so one may hide another; a
+    forward or backward left without a column then takes one it overlaps (`_show_hidden_cells`).
     """
     rows: list[list[Cell | None]] = []
     for k in range(timeline.num_stages):
@@ -503,8 +508,29 @@ def _grid(timeline: Timeline, tick: float, columns: int) -> list[list[Cell | Non
                 pos += 1
             running = [c for c in running if c.end > mid]
             row.append(max(running, key=_drawing_priority) if running else None)
+        if timeline.is_measured:
+            _show_hidden_cells(row, stage_cells, tick)
         rows.append(row)
     return rows
+
+
+def _show_hidden_cells(row: list[Cell | None], cells: list[Cell], tick: float) -> None:
+    """Gives each forward or backward of `cells` that `row` does not show one column it overlaps, taken from an
+    idle column, a transfer or a cell that `row` shows in other columns too (the one nearest the cell's middle)."""
+    shown = collections.Counter(id(c) for c in row if c is not None)
+    for cell in cells:
+        if cell.phase == TRANSFER or shown[id(cell)]:
+            continue
+        first = min(len(row) - 1, int(cell.start // tick))
+        last = max(first, min(len(row) - 1, math.ceil(cell.end / tick) - 1))
+        free = [j for j in range(first, last + 1)
+                if row[j] is None or row[j].phase == TRANSFER or shown[id(row[j])] > 1]
+        if free:
+            j = min(free, key=lambda j: abs((j + 0.5) * tick - (cell.start + cell.end) / 2))
+            if row[j] is not None:
+                shown[id(row[j])] -= 1
+            row[j] = cell
+            shown[id(cell)] += 1
 
 
 def _chunk_letters(chunk: int) -> str:

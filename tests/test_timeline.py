@@ -647,6 +647,9 @@ def test_comparison_png_has_both_grids_and_one_legend():
         assert _count_color(legend, swatch) >= 100
     between = image[top.grid_top + 2 * px + 2:bottom.grid_top]
     assert _count_color(between, timeline.TRANSFER_COLOR) == 0
+    tensor = timeline.comparison_image_tensor(predicted, measured, cell_px=px)
+    assert tensor.dtype == tf.uint8
+    np.testing.assert_array_equal(tensor.numpy()[0], image)
 
 
 def test_comparison_wants_a_predicted_then_a_measured_timeline():

@@ -12,17 +12,18 @@ micro-batch) at a time, each cell as early as its dependencies allow:
 - ``interleaved`` (Megatron-LM): each of the K devices holds v chunks ("virtual stages"), chunk c of device d
   being pipeline stage c*K + d. A device's cells are v times shorter, so filling and draining the pipeline
   idles each device for (K-1) short cells instead of (K-1) long ones: the bubble shrinks from (K-1)/(M+K-1)
-  toward (K-1)/(vM+K-1). The price is v times as many stage-to-stage transfers (every micro-batch crosses every
-  device v times) and M a multiple of K.
+  to (K-1)/(vM+K-1). The price is about v times as many stage-to-stage transfers (a micro-batch crosses vK-1
+  stage boundaries each way instead of K-1) and M a multiple of K.
 
-With equal stage costs the idle fraction ("bubble") of fill-drain and 1F1B is (K-1)/(M+K-1) whatever the
-backward/forward ratio; unbalanced stages or per-stage rematerialization do worse, and `predict` shows by how
+With equal stage costs the idle fraction ("bubble") is exactly that bound, (K-1)/(M+K-1) for fill-drain and 1F1B,
+(K-1)/(vM+K-1) interleaved, whatever the backward/forward ratio; unbalanced stages or per-stage rematerialization do worse, and `predict` shows by how
 much before anything is run. `Timeline.measured` builds the same structure from measured cells (seconds),
 transfers ('T') included, so a profiled step can be drawn next to its prediction.
 
 `render_text` draws a timeline for logs, `render_png` / `image_tensor` for files and `tf.summary.image` (a titled,
 labelled picture with a legend, drawn with Pillow, which TensorBoard itself depends on);
-`render_comparison_text` / `render_comparison_png` draw a predicted and a measured timeline one above the other.
+`render_comparison_text` / `render_comparison_png` / `comparison_image_tensor` draw a predicted and a measured
+timeline one above the other.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # TensorFlow is only needed for the picture; predicting and t
 
 __all__ = ["Cell", "Timeline", "PictureLayout", "SCHEDULES", "check_schedule", "predict", "render_text",
            "render_png", "image_tensor", "picture_layout", "title", "cell_color", "render_comparison_text",
-           "render_comparison_png", "comparison_layout",
+           "render_comparison_png", "comparison_layout", "comparison_image_tensor",
            "FORWARD_COLORS", "BACKWARD_COLORS", "TRANSFER_COLOR", "IDLE_COLOR", "GRID_COLOR", "TEXT_COLOR",
            "LIGHT_TEXT_COLOR"]
 
@@ -934,3 +935,12 @@ def render_comparison_png(predicted: Timeline, measured: Timeline, cell_px: int 
     import tensorflow as tf  # deferred: see the TYPE_CHECKING import above
 
     return tf.io.encode_png(_compose(_comparison_panels(predicted, measured, schedule), cell_px)[0]).numpy()
+
+
+def comparison_image_tensor(predicted: Timeline, measured: Timeline, cell_px: int | None = None,
+                            schedule: str | None = None) -> tf.Tensor:
+    """The render_comparison_png picture as a [1, H, W, 3] uint8 tensor, ready for `tf.summary.image`."""
+    import tensorflow as tf  # deferred: see the TYPE_CHECKING import above
+
+    picture = _compose(_comparison_panels(predicted, measured, schedule), cell_px)[0]
+    return tf.convert_to_tensor(picture[np.newaxis])

@@ -1,5 +1,7 @@
-"""The predicted GPipe fill-drain timeline: bubble fraction, dependencies, remat costs, and its text/PNG pictures."""
+"""Pipeline timelines: the predicted fill-drain, 1F1B and interleaved schedules (bubble, order, dependencies, remat
+costs, in-flight micro-batches), measured timelines, and their text and PNG pictures."""
 
+import dataclasses
 import itertools
 import re
 from fractions import Fraction
@@ -9,7 +11,9 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf.gpipe import timeline
+from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.training import pipeline_report
 
 
 @pytest.mark.parametrize("ratio", [2.0, 1.0, 3.5])
@@ -264,3 +268,414 @@ def test_default_tick_is_coarsened_for_extreme_cost_spreads():
     t = timeline.predict(2, 2, [1e-7, 1.0])
     _, rows = _text_rows(timeline.render_text(t), 2, 2)
     assert len(rows[0]) <= 4096
+
+
+# --- 1F1B and interleaved schedules --------------------------------------------------------------------------
+
+SCHEDULE_CASES = [
+    ("fill_drain", 1, 3, 5, None, False),
+    ("one_f_one_b", 1, 1, 3, None, False),
+    ("one_f_one_b", 1, 4, 2, None, False),  # M < K: no steady phase
+    ("one_f_one_b", 1, 4, 8, [2.0, 1.0, 1.0, 3.0], [True, False, True, False]),
+    ("one_f_one_b", 1, 3, 7, [0.3, 1.7, 0.9], True),
+    ("interleaved", 2, 2, 4, None, False),
+    ("interleaved", 2, 2, 2, None, False),  # M == K: every forward is warm-up
+    ("interleaved", 3, 3, 6, [0.5, 1.0, 0.2, 0.7, 0.3, 0.9, 1.1, 0.4, 0.6], False),
+    ("interleaved", 2, 4, 8, None, [True, False] * 4),
+    ("interleaved", 1, 2, 4, None, False),
+]
+
+
+def _check_schedule(t):
+    """Every (pipeline stage, micro-batch) forward and backward exactly once, no overlap on a row, every
+    dependency respected; returns the F and B cells keyed by (pipeline stage, micro-batch)."""
+    k, m, v = t.num_stages, t.num_micro_batches, t.virtual_stages
+    stages = k * v
+    assert t.num_pipeline_stages == stages
+    keys = [(t.pipeline_stage(c), c.micro_batch, c.phase) for c in t.cells]
+    assert sorted(keys) == sorted((s, i, p) for s in range(stages) for i in range(m) for p in "FB")
+    f = {(t.pipeline_stage(c), c.micro_batch): c for c in t.cells if c.phase == "F"}
+    b = {(t.pipeline_stage(c), c.micro_batch): c for c in t.cells if c.phase == "B"}
+    for c in t.cells:
+        assert 0 <= c.stage < k and 0 <= c.chunk < v
+    for row in range(k):
+        cells = t.stage_cells(row)
+        assert {t.pipeline_stage(c) for c in cells} == {c * k + row for c in range(v)}
+        for prev, nxt in zip(cells, cells[1:]):
+            assert nxt.start >= prev.end - 1e-12
+    for s in range(stages):
+        for i in range(m):
+            if s > 0:
+                assert f[s, i].start >= f[s - 1, i].end - 1e-12
+            upstream = b[s + 1, i] if s < stages - 1 else f[s, i]
+            assert b[s, i].start >= upstream.end - 1e-12
+    assert t.makespan == max(c.end for c in t.cells)
+    assert min(c.start for c in t.cells) == 0.0
+    return f, b
+
+
+def _as_soon_as_possible(t, f, b):
+    """Each cell starts at its row's previous cell's end or at its dependency's end, whichever is later."""
+    k, stages = t.num_stages, t.num_pipeline_stages
+    for row in range(k):
+        free = 0.0
+        for c in t.stage_cells(row):
+            s, i = t.pipeline_stage(c), c.micro_batch
+            if c.phase == "F":
+                ready = f[s - 1, i].end if s > 0 else 0.0
+            else:
+                ready = b[s + 1, i].end if s < stages - 1 else f[s, i].end
+            assert c.start == pytest.approx(max(free, ready), abs=1e-12), c
+            free = c.end
+
+
+@pytest.mark.parametrize("schedule,v,k,m,costs,remat", SCHEDULE_CASES)
+def test_every_schedule_runs_every_cell_once_in_dependency_order(schedule, v, k, m, costs, remat):
+    t = timeline.predict(k, m, costs, remat=remat, schedule=schedule, virtual_stages=v)
+    assert (t.schedule, t.virtual_stages) == (schedule, v)
+    f, b = _check_schedule(t)
+    _as_soon_as_possible(t, f, b)
+    # Costs: a forward stage_costs[s], a backward 2x that, plus 1x where the stage recomputes.
+    stage_costs = costs or [1.0] * (k * v)
+    recompute = remat if isinstance(remat, list) else [remat] * (k * v)
+    for (s, _), c in f.items():
+        assert c.duration == pytest.approx(stage_costs[s])
+    for (s, _), c in b.items():
+        assert c.duration == pytest.approx(stage_costs[s] * (3.0 if recompute[s] else 2.0))
+
+
+def _expected_one_f_one_b(k, m, stage):
+    w = min(k - stage - 1, m)
+    order = [("F", i) for i in range(w)]
+    for j in range(m - w):
+        order += [("F", w + j), ("B", j)]
+    return order + [("B", i) for i in range(m - w, m)]
+
+
+@pytest.mark.parametrize("k,m", [(4, 8), (4, 2), (3, 3), (1, 4)])
+def test_one_f_one_b_runs_warm_up_steady_and_cool_down_on_each_stage(k, m):
+    t = timeline.predict(k, m, schedule="one_f_one_b")
+    for stage in range(k):
+        assert [(c.phase, c.micro_batch) for c in t.stage_cells(stage)] == _expected_one_f_one_b(k, m, stage)
+
+
+def test_interleaved_order_matches_megatron_by_hand():
+    # K=2, v=2, M=4. Device 0: warm-up min(2*(K-0-1) + (v-1)*K, v*M) = 4 forwards in groups of K micro-batches
+    # (chunk 0 of 0, 1; chunk 1 of 0, 1), then F 2a / B 0b, F 3a / B 1b, F 2b / B 0a, F 3b / B 1a, then the
+    # cool-down; backwards take each group's chunks from the last down. Device 1: warm-up 2.
+    t = timeline.predict(2, 4, schedule="interleaved", virtual_stages=2)
+    order = [[f"{c.micro_batch}{'ab'[c.chunk]}{c.phase}" for c in t.stage_cells(d)] for d in range(2)]
+    assert order[0] == ["0aF", "1aF", "0bF", "1bF", "2aF", "0bB", "3aF", "1bB", "2bF", "0aB", "3bF", "1aB",
+                        "2bB", "3bB", "2aB", "3aB"]
+    assert order[1] == ["0aF", "1aF", "0bF", "0bB", "1bF", "1bB", "2aF", "0aB", "3aF", "1aB", "2bF", "2bB",
+                        "3bF", "3bB", "2aB", "3aB"]
+    # M == K: all forwards first, as Megatron-LM does.
+    t = timeline.predict(3, 3, schedule="interleaved", virtual_stages=2)
+    for d in range(3):
+        phases = [c.phase for c in t.stage_cells(d)]
+        assert phases == ["F"] * 6 + ["B"] * 6
+
+
+@pytest.mark.parametrize("ratio", [2.0, 1.0, 3.5])
+def test_one_f_one_b_has_fill_drains_bubble_for_equal_stages(ratio):
+    for k, m in itertools.product([1, 2, 3, 4, 7], [1, 2, 4, 5, 16]):
+        t = timeline.predict(k, m, backward_ratio=ratio, schedule="one_f_one_b")
+        assert t.bubble_fraction == pytest.approx(float(Fraction(k - 1, m + k - 1)), abs=1e-12), (k, m)
+        assert t.ideal_bubble_fraction() == pytest.approx(float(Fraction(k - 1, m + k - 1)), abs=1e-12)
+        assert t.makespan == pytest.approx((1 + ratio) * (m + k - 1), rel=1e-12)
+
+
+def _max_in_flight(t, stage):
+    """The most micro-batches stage `stage` holds at once: forward started, backward not yet finished."""
+    f = {c.micro_batch: c for c in t.stage_cells(stage) if c.phase == "F"}
+    b = {c.micro_batch: c for c in t.stage_cells(stage) if c.phase == "B"}
+    times = sorted({c.start for c in f.values()})
+    return max(sum(1 for i in f if f[i].start <= time < b[i].end) for time in times)
+
+
+@pytest.mark.parametrize("k,m,costs", [(4, 8, None), (4, 16, [1.0, 3.0, 0.5, 2.0]), (3, 2, None), (2, 9, [2, 1])])
+def test_one_f_one_b_holds_at_most_k_minus_k_micro_batches(k, m, costs):
+    one_f_one_b = timeline.predict(k, m, costs, schedule="one_f_one_b")
+    fill_drain = timeline.predict(k, m, costs)
+    for stage in range(k):
+        assert _max_in_flight(one_f_one_b, stage) == min(k - stage, m)
+        assert _max_in_flight(fill_drain, stage) == m
+
+
+@pytest.mark.parametrize("ratio", [2.0, 1.0, 3.5])
+@pytest.mark.parametrize("k,m,v,bubble", [
+    (2, 4, 2, Fraction(1, 9)), (2, 2, 2, Fraction(1, 5)), (2, 8, 2, Fraction(1, 17)), (3, 6, 2, Fraction(1, 7)),
+    (4, 8, 2, Fraction(3, 19)), (4, 4, 2, Fraction(3, 11)), (4, 8, 3, Fraction(1, 9)), (2, 4, 3, Fraction(1, 13)),
+    (3, 9, 3, Fraction(2, 29)), (2, 4, 1, Fraction(1, 5)),
+])
+def test_interleaved_bubble_for_equal_per_device_work(ratio, k, m, v, bubble):
+    # Each chunk costs 1/v of a fill-drain stage, so every device does the same work as under fill-drain. The
+    # simulation reaches the bound (K-1)/(vM+K-1) exactly for these (K, M, v) (hand-checked: K=2, M=4, v=2
+    # drains in 13.5 = 3 * (4 + 1/2) units against fill-drain's 15).
+    t = timeline.predict(k, m, [1 / v] * (k * v), ratio, schedule="interleaved", virtual_stages=v)
+    assert bubble == Fraction(k - 1, v * m + k - 1)
+    assert t.bubble_fraction == pytest.approx(float(bubble), abs=1e-12)
+    assert t.ideal_bubble_fraction() == pytest.approx(float(bubble), abs=1e-12)
+    assert t.makespan == pytest.approx((1 + ratio) * (m + (k - 1) / v), rel=1e-12)
+
+
+def test_interleaving_shrinks_the_bubble_of_the_same_work():
+    fill_drain = timeline.predict(2, 4)
+    interleaved = timeline.predict(2, 4, [0.5] * 4, schedule="interleaved", virtual_stages=2)
+    assert interleaved.makespan == pytest.approx(13.5) and fill_drain.makespan == pytest.approx(15.0)
+    assert interleaved.bubble_fraction < fill_drain.bubble_fraction - 0.08
+    assert interleaved.ideal_bubble_fraction() < fill_drain.ideal_bubble_fraction()
+
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(schedule="1f1b"), "schedule='1f1b' is invalid: it must be one of 'fill_drain', 'one_f_one_b', "
+                            "'interleaved'"),
+    (dict(schedule=None), "schedule=None"),
+    (dict(virtual_stages=2), "virtual_stages=2 is invalid with schedule='fill_drain'"),
+    (dict(schedule="one_f_one_b", virtual_stages=3), "virtual_stages=3 is invalid with schedule='one_f_one_b'"),
+    (dict(schedule="interleaved", virtual_stages=0), "virtual_stages=0"),
+    (dict(schedule="interleaved", virtual_stages=2, num_micro_batches=5),
+     "num_micro_batches=5 is not a multiple of num_stages=2: the interleaved schedule runs micro-batches in groups "
+     "of K; use num_micro_batches=6 or 4, or schedule='one_f_one_b'"),
+    (dict(schedule="interleaved", virtual_stages=2, num_micro_batches=1), "use num_micro_batches=2, or"),
+    (dict(schedule="interleaved", virtual_stages=2, stage_costs=[1.0, 1.0]),
+     "stage_costs=[1.0, 1.0] has 2 entries for num_stages=2 x virtual_stages=2 = 4 pipeline stages"),
+    (dict(schedule="interleaved", virtual_stages=2, remat=[True, False]), "remat=[True, False] has 2 entries"),
+])
+def test_invalid_schedule_arguments_name_the_value(kwargs, names):
+    args = dict(num_stages=2, num_micro_batches=4)
+    args.update(kwargs)
+    with pytest.raises(ParamsError, match=re.escape(names)):
+        timeline.predict(**args)
+
+
+def test_titles_and_text_headers_name_the_schedule():
+    one_f_one_b = timeline.predict(4, 8, schedule="one_f_one_b")
+    assert timeline.title(one_f_one_b) == ("GPipe schedule one_f_one_b: K=4 stages, M=8 micro-batches, bubble 27.3% "
+                                           "(bound 27.3%)")
+    assert timeline.render_text(one_f_one_b).startswith("GPipe schedule one_f_one_b K=4 M=8: bubble 27.3% (bound "
+                                                        "27.3%); 1 column = 1, n = forward")
+    interleaved = timeline.predict(2, 4, [0.5] * 4, schedule="interleaved", virtual_stages=2)
+    assert timeline.title(interleaved) == ("GPipe schedule interleaved v=2: K=2 devices x 2 chunks, M=4 "
+                                           "micro-batches, bubble 11.1% (bound 11.1%)")
+    assert timeline.title(interleaved, "Interleaved").startswith("GPipe schedule Interleaved v=2: K=2 devices")
+    assert timeline.title(timeline.predict(2, 4)) == ("GPipe schedule fill_drain: K=2 stages, M=4 micro-batches, "
+                                                      "bubble 20.0% (bound 20.0%)")
+
+
+def test_interleaved_text_has_device_rows_and_chunk_letters():
+    t = timeline.predict(2, 4, [0.5] * 4, schedule="interleaved", virtual_stages=2)
+    lines = timeline.render_text(t).split("\n")
+    assert lines[0] == ("GPipe schedule interleaved v=2 K=2 M=4: bubble 11.1% (bound 11.1%); 1 column = 0.5, "
+                        "n = forward, n' = backward, letter = chunk (a = 0; chunk c of device d is pipeline stage "
+                        "c*2 + d), . = idle")
+    # The order of test_interleaved_order_matches_megatron_by_hand, each forward one column, each backward two.
+    assert lines[1] == "device 0 |0a 1a 0b 1b 2a  . 0b'0b'3a 1b'1b'2b 0a'0a'3b 1a'1a' . 2b'2b' . 3b'3b'2a'2a'3a'3a'|"
+    assert lines[2] == "device 1 | . 0a 1a 0b 0b'0b'1b 1b'1b'2a 0a'0a'3a 1a'1a'2b 2b'2b'3b 3b'3b'2a'2a'3a'3a' .  . |"
+
+
+def test_png_shades_interleaved_chunks():
+    px = 20
+    t = timeline.predict(2, 4, [0.5] * 4, schedule="interleaved", virtual_stages=2)
+    image = _decoded(timeline.render_png(t, cell_px=px))
+    layout = timeline.picture_layout(t, cell_px=px)
+    grid = image[layout.grid_top:, layout.grid_left:]
+    # Device 0 runs F 0a, 1a, 0b, 1b in its first four columns: chunk 0 in the plain shades, chunk 1 darker.
+    chunk1 = [timeline.cell_color("F", i, 1, 2) for i in range(2)]
+    assert [tuple(grid[3, px * j + 3]) for j in range(4)] == [*timeline.FORWARD_COLORS, *chunk1]
+    for dark, light in zip(chunk1, timeline.FORWARD_COLORS):
+        assert all(d < c for d, c in zip(dark, light))
+    assert len({*chunk1, *timeline.FORWARD_COLORS, *timeline.BACKWARD_COLORS}) == 6
+    # Digits stay readable: dark on the light chunk, light on the dark one.
+    first, third = grid[1:px, 1:px], grid[1:px, 2 * px + 1:3 * px]
+    assert _ink(first, timeline.TEXT_COLOR).any() and not _ink(first, timeline.LIGHT_TEXT_COLOR).any()
+    assert _ink(third, timeline.LIGHT_TEXT_COLOR).any() and not _ink(third, timeline.TEXT_COLOR).any()
+    # The legend shows both chunks' shades of both phases.
+    below = image[layout.grid_top + 2 * px + 2:]
+    for color in (*timeline.FORWARD_COLORS[:1], chunk1[0], timeline.BACKWARD_COLORS[0],
+                  timeline.cell_color("B", 0, 1, 2)):
+        assert _count_color(below, color) >= 100, color
+
+
+# --- measured timelines -------------------------------------------------------------------------------------
+
+UNIT = 2.0 ** -7  # seconds; binary-exact, so shifted times and the text header are exact
+ORIGIN = 0.25
+
+
+def _hand_measured():
+    """K=2, M=2 fill-drain as a profiler might see it: row 1's two backwards overlap by 2 units, transfers on
+    both rows, times starting at ORIGIN."""
+    def cell(stage, micro_batch, phase, start, end):
+        return timeline.Cell(stage, micro_batch, phase, ORIGIN + start * UNIT, ORIGIN + end * UNIT)
+
+    cells = [cell(0, 0, "F", 0, 10), cell(0, 1, "F", 10, 20), cell(0, None, "T", 20, 23), cell(0, 1, "B", 40, 60),
+             cell(0, 0, "B", 60, 80),
+             cell(1, 0, "T", 10, 12), cell(1, 0, "F", 12, 22), cell(1, 1, "F", 22, 32), cell(1, 1, "B", 32, 52),
+             cell(1, 0, "B", 50, 72), cell(1, None, "T", 72, 80)]
+    return timeline.Timeline.measured(2, 2, cells[::-1], schedule="fill_drain")
+
+
+def test_measured_timeline_bubble_counts_compute_and_idle_counts_transfers_too():
+    t = _hand_measured()
+    assert t.is_measured and t.makespan == 80 * UNIT
+    assert [(c.start, c.end) for c in t.stage_cells(0)][:2] == [(0.0, 10 * UNIT), (10 * UNIT, 20 * UNIT)]
+    # Compute: row 0 [0, 20] + [40, 80] = 60, row 1 [12, 72] = 60 (the overlap counted once), of 2 x 80.
+    assert t.bubble_fraction == pytest.approx(1 - 120 / 160, abs=1e-12)
+    # Transfers too: row 0 adds 3, row 1 adds 2 + 8.
+    assert t.idle_fraction == pytest.approx(1 - 133 / 160, abs=1e-12)
+    assert t.ideal_bubble_fraction() == pytest.approx(1 / 3)
+
+
+def test_measured_text_in_milliseconds_with_transfers():
+    lines = timeline.render_text(_hand_measured()).split("\n")
+    assert lines[0] == ("measured: GPipe schedule fill_drain K=2 M=2: step 625 ms, bubble 25.0% (bound 33.3%), idle "
+                        "16.9% counting transfers as busy; 1 column = 78.1 ms, n = forward, n' = backward, "
+                        "~ = transfer, . = idle")
+    # Columns of 10 units, sampled at their middles (5, 15, ...): row 0's transfer (20-23) falls between two.
+    assert lines[1] == "stage 0 |0 1 . . 1'1'0'0'|"
+    assert lines[2] == "stage 1 |. 0 1 1'1'0'0'~ |"
+
+
+def test_measured_overlap_never_hides_a_cell():
+    # F1 starts while F0 runs and outlasts it: at every middle F0 covers, F1 (started later) is drawn.
+    cells = [timeline.Cell(0, 0, "F", 0.0, 0.25), timeline.Cell(0, 1, "F", 0.03125, 0.5),
+             timeline.Cell(0, 1, "B", 0.5, 1.0), timeline.Cell(0, 0, "B", 1.0, 1.5),
+             timeline.Cell(0, None, "T", 0.125, 0.1875), timeline.Cell(0, 1, "T", 1.3, 1.45)]
+    # The transfers overlap compute: drawn under it, busy time counted once.
+    t = timeline.Timeline.measured(1, 2, cells)
+    assert timeline.render_text(t).split("\n")[1] == "stage 0 |0 1 1'1'0'0'|"
+    assert t.bubble_fraction == t.idle_fraction == 0.0
+
+
+def test_measured_text_shows_every_cell_once_for_each_schedule():
+    for t in (timeline.predict(3, 4, [1.0, 1.5, 0.7], schedule="one_f_one_b"),
+              timeline.predict(2, 4, [0.5, 0.6, 0.4, 0.5], schedule="interleaved", virtual_stages=2)):
+        # The prediction as a measurement: seconds, with a transfer after every forward.
+        cells = [dataclasses.replace(c, start=5 + c.start / 100, end=5 + c.end / 100) for c in t.cells]
+        cells += [timeline.Cell(c.stage, c.micro_batch, "T", c.end, c.end + 0.001) for c in cells if c.phase == "F"]
+        measured = timeline.Timeline.measured(t.num_stages, t.num_micro_batches, cells, schedule=t.schedule,
+                                              virtual_stages=t.virtual_stages)
+        assert measured.bubble_fraction == pytest.approx(t.bubble_fraction, abs=1e-9)
+        assert measured.idle_fraction < measured.bubble_fraction
+        lines = timeline.render_text(measured).split("\n")
+        assert lines[0].startswith(f"measured: GPipe schedule {t.schedule_label()} ")
+        for row, line in enumerate(lines[1:]):
+            body = re.fullmatch(r"(?:stage|device) \d+ \|(.*)\|", line).group(1)
+            width = len(str(t.num_micro_batches - 1)) + (1 if t.virtual_stages > 1 else 0) + 1
+            runs = [label for label, _ in itertools.groupby(body[j:j + width] for j in range(0, len(body), width))]
+            compute = [label for label in runs if label.strip(" ~.")]
+            expected = [f"{c.micro_batch}{'ab'[c.chunk] if t.virtual_stages > 1 else ''}"
+                        f"{' ' if c.phase == 'F' else chr(39)}" for c in t.stage_cells(row)]
+            assert compute == expected
+
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(cells=[]), "cells=[] is invalid"),
+    (dict(cells=[("F", 0)]), "cells[0]=('F', 0) is invalid: it must be a timeline.Cell"),
+    (dict(cells=[timeline.Cell(2, 0, "F", 0, 1)]), "cells[0].stage=2 is invalid: it must be an int in [0, 2)"),
+    (dict(cells=[timeline.Cell(0, 0, "X", 0, 1)]), "cells[0].phase='X' is invalid: it must be 'F' (forward), "
+                                                   "'B' (backward) or 'T' (transfer)"),
+    (dict(cells=[timeline.Cell(0, None, "B", 0, 1)]), "cells[0].micro_batch=None is invalid: it must be an int in "
+                                                      "[0, 4)"),
+    (dict(cells=[timeline.Cell(0, 4, "T", 0, 1)]), "cells[0].micro_batch=4 is invalid: it must be an int in [0, 4) "
+                                                   "(num_micro_batches=4), or None for a transfer"),
+    (dict(cells=[timeline.Cell(0, 0, "F", 0, 1, chunk=1)]), "cells[0].chunk=1 is invalid: it must be an int in "
+                                                            "[0, 1) (virtual_stages=1)"),
+    (dict(cells=[timeline.Cell(0, 0, "F", 2.0, 1.0)]), "cells[0].end=1.0 is invalid: it must be a time >= start=2.0"),
+    (dict(cells=[timeline.Cell(0, 0, "F", float("nan"), 1.0)]), "cells[0].start=nan is invalid"),
+    (dict(cells=[timeline.Cell(0, 0, "F", 1.0, 1.0)]), "cells span 0.0 seconds"),
+    (dict(cells=[timeline.Cell(0, 0, "F", 0, 1)], schedule="gpipe"), "schedule='gpipe' is invalid"),
+])
+def test_invalid_measured_arguments_name_the_value(kwargs, names):
+    with pytest.raises(ParamsError, match=re.escape(names)):
+        timeline.Timeline.measured(2, 4, **kwargs)
+
+
+# --- predicted next to measured -----------------------------------------------------------------------------
+
+def test_comparison_text_stacks_both_with_their_headers():
+    text = timeline.render_comparison_text(timeline.predict(2, 2), _hand_measured())
+    predicted, measured = text.split("\n\n")
+    assert predicted.split("\n") == ["predicted: " + timeline.render_text(timeline.predict(2, 2)).split("\n")[0],
+                                     "stage 0 |0 1 . . . 1'1'0'0'|", "stage 1 |. 0 1 1'1'0'0'. . |"]
+    assert measured == timeline.render_text(_hand_measured())
+
+
+def test_comparison_png_has_both_grids_and_one_legend():
+    px = 20
+    predicted, measured = timeline.predict(2, 2), _hand_measured()
+    image = _decoded(timeline.render_comparison_png(predicted, measured, cell_px=px))
+    top, bottom = timeline.comparison_layout(predicted, measured, cell_px=px)
+    assert image.shape == (top.height, top.width, 3) and (top.height, top.width) == (bottom.height, bottom.width)
+    assert (top.columns, bottom.columns) == (9, 8)  # 9 forward costs; 80 units in ticks of 10 (the shortest F)
+    grids = []
+    for layout in (top, bottom):
+        grid = image[layout.grid_top:layout.grid_top + 2 * px + 1, layout.grid_left:layout.grid_left +
+                     layout.columns * px + 1]
+        for edge in (grid[0], grid[-1], grid[:, 0], grid[:, -1]):
+            assert _ink(edge, timeline.GRID_COLOR).all()
+        grids.append(grid)
+    assert bottom.grid_top > top.grid_top + 2 * px + 40  # stacked, with the measured title between
+
+    def color(grid, row, column):
+        return tuple(grid[row * px + 3, column * px + 3])
+
+    predicted_grid, measured_grid = grids
+    # Predicted: F(0, 0) first on stage 0 while stage 1 idles; B(0, 0) last on stage 0.
+    assert color(predicted_grid, 0, 0) == timeline.FORWARD_COLORS[0]
+    assert color(predicted_grid, 1, 0) == timeline.IDLE_COLOR
+    assert color(predicted_grid, 0, 8) == timeline.BACKWARD_COLORS[0]
+    # Measured (the text rows of test_measured_text_in_milliseconds_with_transfers): 0 1 . . 1'1'0'0' and
+    # . 0 1 1'1'0'0'~ .
+    assert [color(measured_grid, 0, j) for j in range(4)] == [*timeline.FORWARD_COLORS, timeline.IDLE_COLOR,
+                                                              timeline.IDLE_COLOR]
+    assert color(measured_grid, 1, 3) == timeline.BACKWARD_COLORS[1]
+    assert color(measured_grid, 1, 7) == timeline.TRANSFER_COLOR
+    dark = np.all(image < 128, axis=-1)
+    # Titles above each grid, millisecond labels under the measured one: a mark every 500 ms (the first round
+    # step >= 80 pixels; 1 ms is 20 / 78.125 pixels), so at 0 and 128 pixels.
+    assert dark[top.grid_top - 40:top.grid_top - 20].any()
+    assert dark[top.grid_top + 2 * px + 1:bottom.grid_top - 20].any()
+    mark_rows = slice(bottom.grid_top + 2 * px + 1, bottom.grid_top + 2 * px + 5)
+    for x in (bottom.grid_left, bottom.grid_left + 128):
+        assert _ink(image[mark_rows, x], timeline.TEXT_COLOR).all()
+    assert not _ink(image[mark_rows, bottom.grid_left + 64], timeline.TEXT_COLOR).any()
+    # One legend, below both grids, with the transfer swatch.
+    legend = image[bottom.grid_top + 2 * px + 2:]
+    for swatch in (timeline.FORWARD_COLORS[0], timeline.BACKWARD_COLORS[0], timeline.TRANSFER_COLOR):
+        assert _count_color(legend, swatch) >= 100
+    between = image[top.grid_top + 2 * px + 2:bottom.grid_top]
+    assert _count_color(between, timeline.TRANSFER_COLOR) == 0
+    tensor = timeline.comparison_image_tensor(predicted, measured, cell_px=px)
+    assert tensor.dtype == tf.uint8
+    np.testing.assert_array_equal(tensor.numpy()[0], image)
+
+
+def test_comparison_wants_a_predicted_then_a_measured_timeline():
+    predicted, measured = timeline.predict(2, 2), _hand_measured()
+    with pytest.raises(ParamsError, match="predicted is a measured timeline"):
+        timeline.render_comparison_png(measured, measured)
+    with pytest.raises(ParamsError, match="measured is a predicted timeline"):
+        timeline.render_comparison_text(predicted, predicted)
+    with pytest.raises(ParamsError, match="measured=None is invalid"):
+        timeline.render_comparison_text(predicted, None)
+
+
+def test_report_predicts_the_chosen_schedule_from_a_plan():
+    costs = (1.0, 3.0, 2.0, 2.0)
+    plan = StagePlan(balance=(1, 1, 1, 1), stage_layers=tuple((f"layer_{j}",) for j in range(4)), layer_costs=costs,
+                     cost_kind="params", remat=(False, True, False, False), devices=None)
+    fill_drain = pipeline_report.predicted_timeline(plan, 4)
+    assert (fill_drain.schedule, fill_drain.num_stages) == ("fill_drain", 4)
+    t = pipeline_report.predicted_timeline(plan, 4, schedule="interleaved", virtual_stages=2)
+    assert (t.schedule, t.num_stages, t.virtual_stages) == ("interleaved", 2, 2)
+    # Pipeline stage s = chunk * 2 + device keeps the plan's cost (normalized to sum 1) and remat.
+    for c in t.cells:
+        s = t.pipeline_stage(c)
+        factor = 1.0 if c.phase == "F" else (3.0 if plan.remat[s] else 2.0)
+        assert c.duration == pytest.approx(costs[s] / 8 * factor)
+    with pytest.raises(ParamsError, match=r"virtual_stages=3 does not divide the plan's 4 stages"):
+        pipeline_report.predicted_timeline(plan, 4, schedule="interleaved", virtual_stages=3)
+    with pytest.raises(ParamsError, match=r"schedule='1F1B' is invalid"):
+        pipeline_report.predicted_timeline(plan, 4, schedule="1F1B")

@@ -2,7 +2,7 @@
 
 Everything shown comes from each pipeline's stage plan (`GPipe.plan`, the split and remat decisions training uses).
 For every GPipe layer in the task: `logdir/partition.txt` (stage, layers, params, remat, device, cost),
-`logdir/schedule.txt` and `logdir/schedule.png` (the predicted fill-drain timeline with its bubble fraction),
+`logdir/schedule.txt` and `logdir/schedule.png` (the predicted timeline with its bubble fraction),
 and the same as TensorBoard text and image summaries in `logdir/train`.
 """
 
@@ -16,6 +16,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe import timeline
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan
+from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.training.summaries import SummaryWriter
 
 
@@ -25,15 +26,26 @@ def pipelines(module: tf.Module) -> list[GPipe]:
     return found + [m for m in module.submodules if isinstance(m, GPipe)]
 
 
-def predicted_timeline(plan: StagePlan, num_micro_batches: int) -> timeline.Timeline:
-    """The fill-drain timeline predicted from a stage plan: its per-stage costs (equal stages where an explicit
-    balance computed none) and its per-stage remat decisions."""
+def predicted_timeline(plan: StagePlan, num_micro_batches: int, schedule: str = timeline.FILL_DRAIN,
+                       virtual_stages: int = 1) -> timeline.Timeline:
+    """The timeline of `schedule` (one of `timeline.SCHEDULES`) predicted from a stage plan: its per-stage costs
+    (equal stages where an explicit balance computed none) and its per-stage remat decisions.
+
+    For the interleaved schedule the plan has one stage per pipeline stage, K * virtual_stages of them in
+    pipeline order (chunk c of device d is stage c*K + d), and the timeline has K rows.
+    """
+    schedule, v = timeline.check_schedule(schedule, virtual_stages)
+    if plan.num_stages % v:
+        raise ParamsError(f"virtual_stages={v} does not divide the plan's {plan.num_stages} stages: an interleaved "
+                          "plan has K * virtual_stages stages; plan K * virtual_stages stages or change "
+                          "virtual_stages")
     costs = plan.stage_costs()
     if costs is not None:
         costs = [max(c, 1e-12) for c in costs]
         total = sum(costs)
         costs = [c / total for c in costs]
-    return timeline.predict(plan.num_stages, num_micro_batches, costs, remat=list(plan.remat))
+    return timeline.predict(plan.num_stages // v, num_micro_batches, costs, remat=list(plan.remat),
+                            schedule=schedule, virtual_stages=v)
 
 
 def shared_device_warnings(task: tf.Module) -> list[str]:

@@ -12,6 +12,7 @@ configurations, so a slow moment of the machine hits all of them alike; compare 
   python -m bench.pipeline                # everything
   python -m bench.pipeline --skip-speed   # memory of workload (b) only
   python -m bench.pipeline --breakdown    # where the one-worker step's time goes, by op category, only
+  python -m bench.pipeline --timeline     # measured vs predicted timeline of each schedule (PNG, text, JSON)
   python -m bench.pipeline --dxk          # D x K data parallelism on 4 logical CPUs (bench/data_parallel.py)
 """
 
@@ -42,6 +43,8 @@ MLP = dict(layers=32, width=1024, batch=8192)
 # Weight-heavy: 16 MiB of weights per layer, tiny activations; what a schedule that moved weights or their
 # gradient sums between devices would pay for.
 HEAVY = dict(layers=16, width=2048, batch=16)
+# A small stack for a quick look at the measured timelines (`--timeline --workload tiny`, and the tests).
+TINY = dict(layers=8, width=256, batch=64)
 
 
 def layer_params(workload: str) -> tuple[list[Any], list[int]]:
@@ -53,7 +56,7 @@ def layer_params(workload: str) -> tuple[list[Any], list[int]]:
                                                        hidden_dim=w["ffn"]) for _ in range(w["layers"])]
         return layers, [w["batch"], w["seq"], w["model_dim"]]
     from gpipe_tf.layers.linear import Linear
-    w = HEAVY if workload == "heavy" else MLP
+    w = {"heavy": HEAVY, "tiny": TINY}.get(workload, MLP)
     layers = [Linear.params().set(input_dim=w["width"], output_dim=w["width"], activation="relu")
               for _ in range(w["layers"])]
     return layers, [w["batch"], w["width"]]
@@ -145,6 +148,10 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         configs += [("transformer", 2, m, r, "fill_drain") for r in ("never", "always") for m in (1, 2, 4, 8)]
         compile_ms = [4, 8, 16, 32]
     configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
+    if not args.compare:
+        # The schedules beyond fill-drain (issue 12): 1F1B at K=2, M=8 and interleaved v=2 at K=2, M=4.
+        configs += [("transformer", 2, 8, "never", "one_f_one_b"), ("transformer", 2, 4, "never", "fill_drain"),
+                    ("transformer", 2, 4, "never", "interleaved")]
     rows = []
     traced_lines = []
     with workers.LocalWorkers(2, profiler=True) as cluster:
@@ -181,7 +188,7 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                 efficiency=round(base / (k * t), 3) if workload == "transformer" and base else None,
                 vs_one_worker=round(t / base, 3) if workload == "transformer" and base else None,
                 efficiency_same_m=round(same_m / (k * t), 3) if same_m else None,
-                efficiency_bound=round(m / (m + k - 1), 3),
+                efficiency_bound=round(bound(k, m, schedule), 3),
                 remat_cost=round(t / no_remat, 3) if no_remat else None,
                 peak_memory_mb=None, compile_s=round(compile_s[(workload, k, m, remat, schedule)], 2),
                 flops_fraction=round(steps[(workload, k, m, remat, schedule)][2] / t / (k * peak), 3)))
@@ -208,6 +215,12 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     return rows, traced_lines
 
 
+def bound(k: int, m: int, schedule: str) -> float:
+    """The efficiency bound 1 - bubble: vM / (vM + K - 1), with v = 2 for the interleaved schedule's defaults."""
+    v = 2 if schedule == "interleaved" else 1
+    return v * m / (v * m + k - 1)
+
+
 def predicted_activation_mb(k: int, m: int, remat: str) -> float:
     """GPipe's activation memory of workload (b) (the paper's O(N + L/K x N/M)): with remat each stage keeps
     its M stage inputs plus one micro-batch's layer outputs while it recomputes; without, every layer output of
@@ -226,21 +239,71 @@ def memory_worker(quick: bool) -> None:
 
     from gpipe_tf import devices as devices_lib
 
-    devices = devices_lib.split_cpu(2)
+    devices = devices_lib.split_cpu(4)
     # All M even when quick: one process, seconds each, and "non-increasing in M" needs more than one point.
-    configs = [(1, "never")] + [(m, "always") for m in (2, 4, 8)]
-    for m, remat in configs:
-        step, x, _ = build_step("mlp", 2, m, remat, devices, "fill_drain")
+    configs = [(2, 1, "never", "fill_drain")] + [(2, m, "always", "fill_drain") for m in (2, 4, 8)]
+    # 1F1B against fill-drain where fill-drain keeps the most: K=4, M=16, no remat.
+    configs += [(4, 16, "never", "fill_drain"), (4, 16, "never", "one_f_one_b")]
+    for k, m, remat, schedule in configs:
+        step, x, _ = build_step("mlp", k, m, remat, devices, schedule)
         step(x).numpy()
         tf.config.experimental.reset_memory_stats("CPU:0")
         before = tf.config.experimental.get_memory_info("CPU:0")["current"]
         step(x).numpy()
         peak = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2 ** 20
-        print(json.dumps(dict(workload="mlp", schedule="fill_drain", k=2, m=m, remat=remat, step_time_s=None,
+        print(json.dumps(dict(workload="mlp", schedule=schedule, k=k, m=m, remat=remat, step_time_s=None,
                               efficiency=None, efficiency_same_m=None, efficiency_bound=None, remat_cost=None,
                               peak_memory_mb=round(peak, 1),
-                              predicted_activation_mb=round(predicted_activation_mb(2, m, remat), 1),
+                              predicted_activation_mb=round(predicted_activation_mb(k, m, remat), 1),
                               compile_s=None, flops_fraction=None)), flush=True)
+
+
+TIMELINES = [("fill_drain", 2, 4), ("one_f_one_b", 2, 4), ("interleaved", 2, 4)]
+
+
+def timelines(args: argparse.Namespace) -> list[str]:
+    """Profiles one step of each schedule (K=2, M=4, no remat) on faithful devices and writes its measured timeline
+    beside the predicted one (`bench/measured_timeline.py`) as <out>/timeline_<schedule>.png, .txt and .json (the
+    measured cells); returns one line per schedule with the measured and predicted bubble and the bound."""
+    import tensorflow as tf
+
+    from bench import measured_timeline
+    from gpipe_tf import workers
+    from gpipe_tf.gpipe import timeline
+
+    os.makedirs(args.out, exist_ok=True)
+    lines = []
+    with workers.LocalWorkers(2, profiler=True) as cluster:
+        devices = workers.connect(cluster.spec)
+        for schedule, k, m in TIMELINES:
+            step, x, _ = build_step(args.workload, k, m, "never", devices, schedule)
+            with tf.device(devices[k - 1]):
+                step(x).numpy()
+                times = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    step(x).numpy()
+                    times.append(time.perf_counter() - start)
+                seconds = statistics.median(times)
+                v = 2 if schedule == "interleaved" else 1
+                measured = measured_timeline.trace_step(cluster.profiler_addresses, lambda: step(x).numpy(),
+                                                        seconds, m, schedule, v)
+            predicted = measured_timeline.predicted_from(measured)
+            base = os.path.join(args.out, f"timeline_{schedule}")
+            with open(base + ".png", "wb") as f:
+                f.write(timeline.render_comparison_png(predicted, measured))
+            with open(base + ".txt", "w", encoding="utf-8") as f:
+                f.write(timeline.render_comparison_text(predicted, measured) + "\n")
+            with open(base + ".json", "w", encoding="utf-8") as f:
+                json.dump(dict(schedule=schedule, k=k, m=m, virtual_stages=v, cells=[
+                    dict(row=c.stage, chunk=c.chunk, micro_batch=c.micro_batch, phase=c.phase, start=c.start,
+                         end=c.end) for c in measured.cells]), f)
+            lines.append(f"{args.workload} {schedule}{' v=2' if v > 1 else ''} K={k} M={m}: measured bubble "
+                         f"{measured.bubble_fraction:.1%} (idle incl. transfers {measured.idle_fraction:.1%}) vs "
+                         f"predicted {predicted.bubble_fraction:.1%}, bound {measured.ideal_bubble_fraction():.1%}; "
+                         f"step {seconds:.3f} s; {base}.png")
+            print(f"# {lines[-1]}", file=sys.stderr)
+    return lines
 
 
 def breakdown_worker(steps: int) -> None:
@@ -304,7 +367,11 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         if (schedule, 32) in compile_rows and (schedule, 4) in compile_rows:
             out.append(f"compile growth M=32/M=4 ({schedule}): "
                        f"{compile_rows[(schedule, 32)] / compile_rows[(schedule, 4)]:.2f}")
-    mem = {(r["m"], r["remat"]): r["peak_memory_mb"] for r in rows if r["workload"] == "mlp"}
+    mem = {(r["m"], r["remat"]): r["peak_memory_mb"] for r in rows if r["workload"] == "mlp" and r["k"] == 2}
+    deep = {r["schedule"]: r["peak_memory_mb"] for r in rows if r["workload"] == "mlp" and r["k"] == 4}
+    if "fill_drain" in deep and "one_f_one_b" in deep:
+        out.append(f"peak memory K=4 M=16 no remat one_f_one_b / fill_drain: "
+                   f"{deep['one_f_one_b'] / deep['fill_drain']:.2f} ({deep['one_f_one_b']} / {deep['fill_drain']} MiB)")
     if (1, "never") in mem and (8, "always") in mem:
         out.append(f"peak memory remat always M=8 / no remat M=1: {mem[(8, 'always')] / mem[(1, 'never')]:.2f}")
         remat_peaks = [mem[key] for key in sorted(k for k in mem if k[1] == "always")]
@@ -322,6 +389,16 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     a, b = step.get(("heavy", 2, 8, "never", "fill_drain")), step.get(("heavy", 2, 8, "never", "unrolled"))
     if a and b:
         out.append(f"weight-heavy step fill_drain / unrolled: {a['step_time_s'] / b['step_time_s']:.2f}")
+    a, b = step.get(("transformer", 2, 8, "never", "one_f_one_b")), step.get(("transformer", 2, 8, "never",
+                                                                              "fill_drain"))
+    if a and b:
+        out.append(f"workload (a) K=2 M=8 remat=never step one_f_one_b / fill_drain: "
+                   f"{a['step_time_s'] / b['step_time_s']:.3f}")
+    a, b = step.get(("transformer", 2, 4, "never", "interleaved")), step.get(("transformer", 2, 4, "never",
+                                                                              "fill_drain"))
+    if a and b and a["efficiency"] is not None:
+        out.append(f"E(2,4) remat=never: interleaved v=2 {a['efficiency']} (bound {a['efficiency_bound']}) vs "
+                   f"fill_drain {b['efficiency']} (bound {b['efficiency_bound']})")
     return out
 
 
@@ -338,6 +415,12 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true", help="memory only (one process, no workers)")
     parser.add_argument("--breakdown", action="store_true", help="only the one-worker step's time by op category "
                         "(matmul, attention, normalization, elementwise, transfer, idle)")
+    parser.add_argument("--timeline", action="store_true", help="only the measured timelines: one profiled step of "
+                        "fill_drain, one_f_one_b and interleaved (v=2) at K=2, M=4 on two workers, drawn beside "
+                        "the predicted ones")
+    parser.add_argument("--workload", default="transformer", choices=("transformer", "tiny"),
+                        help="the workload of --timeline: workload (a), or a small MLP for a quick look")
+    parser.add_argument("--out", default="bench_timelines", help="where --timeline writes its pictures")
     parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--breakdown-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dxk", action="store_true", help="D x K mode instead: throughput of D=2,K=1 / D=1,K=2 / "
@@ -351,6 +434,10 @@ def main() -> None:
         return
     if args.breakdown_worker:
         breakdown_worker(args.steps)
+        return
+    if args.timeline:
+        for line in timelines(args):
+            print(line)
         return
     parts = breakdown(args) if args.breakdown or not (args.compare or args.skip_speed) else None
     if parts is not None:

@@ -24,6 +24,8 @@ from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 class Interleaved(OneForwardOneBackward):
     """Megatron-LM's interleaved 1F1B: v chunks of layers per device, pipeline stage c*K + d on device d."""
 
+    order = "interleaved"
+
     @classmethod
     def params(cls) -> InstantiableParams:
         """Default Params: virtual_stages."""

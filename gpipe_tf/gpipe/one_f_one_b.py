@@ -46,6 +46,8 @@ from gpipe_tf.layers.base_layer import FPropContext
 class OneForwardOneBackward(FillDrain):
     """PipeDream-Flush's 1F1B order as one placed while loop: stage k holds at most K - k micro-batches."""
 
+    order = "one_f_one_b"
+
     def in_flight(self, job: PipelineJob) -> list[int]:
         """How many micro-batches each stage may hold at once (its forward done, its backward not): K - k."""
         k = job.num_stages

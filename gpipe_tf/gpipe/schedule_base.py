@@ -102,6 +102,8 @@ class Schedule:
 
     # Whether `run` reads `PipelineJob.output_spec`.
     needs_output_spec = False
+    # The order this schedule runs cells in, as `timeline.predict` names it (its predicted picture).
+    order = "fill_drain"
 
     @classmethod
     def params(cls) -> InstantiableParams:

@@ -69,7 +69,8 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
         needed = num_replicas * pipe.p.num_stages
         listing = "; ".join(f"{'' if num_replicas > 1 else 'stages '}{', '.join(names)} share {device}"
                             for device, names in shared.items())
-        warnings.append(f"warning: {pipe.path} places {needed} stages on {len(holders)} device{'s' if len(holders) > 1 else ''}: {listing}. Results "
+        plural = "s" if len(holders) > 1 else ""
+        warnings.append(f"warning: {pipe.path} places {needed} stages on {len(holders)} device{plural}: {listing}. Results "
                         "are the same, but stages sharing a device run one after another, not as a pipeline; give "
                         f"each stage its own device (on a CPU: --logical_devices={needed}) or lower num_stages")
     return warnings
@@ -82,7 +83,8 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
         return
     tables, texts = [], []
     for pipe in pipes:
-        predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches)
+        predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches, pipe.schedule.order,
+                                       pipe.plan.virtual_stages)
         tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat}\n"
                       + pipe.partition_table())
         texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))

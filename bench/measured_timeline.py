@@ -1,0 +1,205 @@
+"""The measured timeline of one pipelined step: which (stage, micro-batch) forward and backward ran when, on each
+worker, read from the TensorFlow profiler's traces of the workers (`workers.LocalWorkers(..., profiler=True)`).
+
+How a trace becomes cells:
+
+* Steps run with a pause between them while the workers are traced; the pauses split the merged events of all
+  workers into steps, and a step that starts and ends inside the trace window is kept.
+* An op belongs to a pipeline stage by its name scope (``gpipe<id>_stage<s>``, `placement.stage_scope`), to the
+  backward pass where its name says it is a gradient (``gradient_tape/``, ``gradients/``, ``_grad/``,
+  ``backward/``), else to the forward pass.
+* The loop schedules (fill_drain, one_f_one_b, interleaved) run the same ops once per micro-batch, in micro-batch
+  order on every stage (fill-drain's backward in reverse order): the n-th run of an op in a step belongs to the
+  n-th micro-batch of that order. A cell spans its ops, less lone ops far ahead or behind the rest (`_span`).
+* Sends and receives between devices are transfer cells ('T'). Left out: loop bookkeeping outside any stage, a
+  stage's ops that run once per step outside the loop, and shape and copy ops (`_BOOKKEEPING`), which run
+  whenever their inputs' shapes are known and would stretch a cell over time its stage spent on other work.
+
+The unrolled schedule names every (stage, micro-batch) step's ops apart, so its micro-batches cannot be told by
+counting; it is not supported here.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import tempfile
+import threading
+import time
+from typing import Callable, Sequence
+
+from gpipe_tf.gpipe import timeline
+
+_STAGE = re.compile(r"gpipe\d+_stage(\d+)")
+_BACKWARD = ("gradient_tape/", "gradients/", "_grad/", "backward/")
+_TRANSFER = {"_Send", "_Recv", "_HostSend", "_HostRecv", "Send", "Recv"}
+_NOT_OPS = ("::", "MemoryAllocation", "MemoryDeallocation")
+# Shape and loop bookkeeping: a gradient's shape ops, e.g., run as soon as the forward pass gives the shapes, long
+# before the gradient itself can start; they would stretch a cell over time its stage spent elsewhere.
+_BOOKKEEPING = {"Shape", "ShapeN", "BroadcastGradientArgs", "Reshape", "Identity", "Const", "Fill", "ZerosLike",
+                "OnesLike", "Size", "Rank", "StridedSlice", "Pack", "Unpack", "Cast", "NoOp", "Enter", "Exit", "Merge",
+                "Switch", "NextIteration", "LoopCond", "Less", "AddV2_int", "Range", "ConcatV2", "Squeeze",
+                "ExpandDims", "TensorListPushBack", "TensorListPopBack", "TensorListReserve", "TensorListLength",
+                "TensorArrayV3", "TensorArrayWriteV3", "TensorArrayReadV3", "TensorListSetItem", "TensorListGetItem"}
+# The order in which a stage's backward passes visit micro-batches: fill-drain drains last to first.
+_BACKWARD_ORDER = {"fill_drain": "reverse", "one_f_one_b": "forward", "interleaved": "forward"}
+
+Event = tuple[float, float, str, str]  # start s, end s, node name, op type
+
+
+def read_events(path: str) -> list[Event]:
+    """The ops of the executor threads in one `*.xplane.pb` trace file, sorted by start."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if ":" not in name or any(tag in name for tag in _NOT_OPS):
+                    continue
+                node, op_type = name.rsplit(":", 1)
+                start = line.timestamp_ns * 1e-9 + event.offset_ps * 1e-12
+                events.append((start, start + event.duration_ps * 1e-12, node, op_type))
+    return sorted(events)
+
+
+def split_steps(per_worker: Sequence[list[Event]], min_gap: float) -> list[tuple[float, float]]:
+    """(start, end) of each complete step: runs of all workers' ops separated by idle gaps of >= `min_gap` s; the
+    first and last run are dropped (the trace window may cut them)."""
+    spans = sorted((e[0], e[1]) for events in per_worker for e in events)
+    runs: list[list[float]] = []
+    for start, end in spans:
+        if runs and start - runs[-1][1] < min_gap:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([start, end])
+    return [(a, b) for a, b in runs[1:-1]]
+
+
+def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float], num_micro_batches: int,
+                  order: str, virtual_stages: int = 1) -> list[timeline.Cell]:
+    """The cells of the step in `window`; row = worker, chunk = pipeline stage // K (see the module doc).
+
+    Raises:
+      ValueError: an op ran neither once nor M times in the step (not a loop schedule, or a cut step).
+    """
+    if order not in _BACKWARD_ORDER:
+        raise ValueError(f"order={order!r}: measured timelines support {tuple(_BACKWARD_ORDER)} (the unrolled "
+                         "schedule names each micro-batch's ops apart; see the module doc)")
+    m, k = num_micro_batches, len(per_worker)
+    cells = []
+    for row, events in enumerate(per_worker):
+        runs: dict[tuple[int, str, str], list[tuple[float, float]]] = collections.defaultdict(list)
+        for start, end, node, op_type in events:
+            if not window[0] <= start <= window[1]:
+                continue
+            if op_type in _TRANSFER:
+                cells.append(timeline.Cell(row, None, timeline.TRANSFER, start, end))
+                continue
+            found = _STAGE.findall(node)
+            if not found or op_type in _BOOKKEEPING:
+                continue
+            phase = timeline.BACKWARD if any(tag in node for tag in _BACKWARD) else timeline.FORWARD
+            runs[(int(found[-1]), phase, node)].append((start, end))
+        ops: dict[tuple[int, str, int], list[tuple[float, float]]] = collections.defaultdict(list)
+        for (stage, phase, node), times in runs.items():
+            if len(times) == 1 and m > 1:
+                continue  # once per step, outside the loop (e.g. setting up a gradient sum): no micro-batch's
+            if len(times) != m:
+                raise ValueError(f"op {node!r} ran {len(times)} times in one step on worker {row}, expected "
+                                 f"M={m}: not a loop schedule, or the step was cut")
+            reverse = phase == timeline.BACKWARD and _BACKWARD_ORDER[order] == "reverse"
+            for n, (start, end) in enumerate(times):
+                ops[(stage, phase, m - 1 - n if reverse else n)].append((start, end))
+        for (stage, phase, micro_batch), intervals in ops.items():
+            start, end = _span(intervals)
+            if stage % k != row:
+                raise ValueError(f"pipeline stage {stage} ran on worker {row}; expected worker {stage % k}")
+            cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=stage // k))
+    return cells
+
+
+def _span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """The interval a cell's ops cover, without leading or trailing ops set apart from the rest by a gap longer
+    than all of the cell's op time: an op that waits for nothing (e.g. broadcasting the loss gradient's seed) runs
+    as soon as its loop iteration starts and would otherwise stretch the cell back over other cells' work."""
+    ops = sorted(intervals)
+    total = sum(end - start for start, end in ops)
+    while len(ops) > 1 and ops[1][0] - ops[0][1] > total:
+        ops.pop(0)
+    while len(ops) > 1 and ops[-1][0] - max(end for _, end in ops[:-1]) > total:
+        ops.pop()
+    return ops[0][0], max(end for _, end in ops)
+
+
+def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object], step_seconds: float,
+               num_micro_batches: int, order: str, virtual_stages: int = 1) -> timeline.Timeline:
+    """Traces the workers while `run_step` runs steps with pauses, and returns one complete step's timeline.
+
+    `step_seconds`: about how long a step takes (the pause between steps is that long, at least 0.2 s).
+    """
+    import tensorflow as tf
+
+    pause = max(0.2, step_seconds)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while not stop.is_set():
+                run_step()
+                time.sleep(pause)
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+
+    runner = threading.Thread(target=loop, daemon=True)
+    with tempfile.TemporaryDirectory(prefix="timeline_trace_") as logdir:
+        runner.start()
+        try:
+            service = ",".join(f"grpc://{address}" for address in profiler_addresses)
+            tf.profiler.experimental.client.trace(service, logdir, int(1000 * 4 * (step_seconds + pause)))
+        finally:
+            stop.set()
+            runner.join()
+        if errors:
+            raise errors[0]
+        paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        by_address = {os.path.basename(p).split(".xplane")[0].replace("_", ":"): p for p in paths}
+        missing = [a for a in profiler_addresses if a not in by_address]
+        if missing:
+            raise FileNotFoundError(f"no trace from the worker profilers at {missing}; got {sorted(by_address)}")
+        per_worker = [read_events(by_address[a]) for a in profiler_addresses]
+    steps = split_steps(per_worker, 0.5 * pause)
+    if not steps:
+        raise RuntimeError(f"no complete step in the {4 * (step_seconds + pause):.1f} s trace: the machine may be "
+                           "too busy; run again on a quieter machine")
+    cells = cells_of_step(per_worker, steps[0], num_micro_batches, order, virtual_stages)
+    return timeline.Timeline.measured(len(profiler_addresses), num_micro_batches, cells, schedule=order,
+                                      virtual_stages=virtual_stages)
+
+
+def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
+    """The schedule's predicted timeline with the measured step's median forward cost of each pipeline stage and
+    its median backward / forward ratio, so that the two pictures differ only by what the prediction leaves out
+    (transfers, executor overhead, waiting)."""
+    import statistics
+
+    k, v = measured.num_stages, measured.virtual_stages
+    forward: dict[int, list[float]] = collections.defaultdict(list)
+    backward: dict[int, list[float]] = collections.defaultdict(list)
+    for cell in measured.cells:
+        if cell.phase in (timeline.FORWARD, timeline.BACKWARD):
+            stage = cell.chunk * k + cell.stage
+            (forward if cell.phase == timeline.FORWARD else backward)[stage].append(cell.duration)
+    costs = [max(statistics.median(forward[s]), 1e-9) for s in range(k * v)]
+    ratio = statistics.median(statistics.median(backward[s]) / costs[s] for s in range(k * v))
+    return timeline.predict(k, measured.num_micro_batches, costs, backward_ratio=max(ratio, 1e-3),
+                            schedule=measured.schedule, virtual_stages=v)

@@ -187,9 +187,9 @@ def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object]
 
 
 def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
-    """The schedule's predicted timeline with the measured step's median forward cost of each pipeline stage and
-    its median backward / forward ratio, so that the two pictures differ only by what the prediction leaves out
-    (transfers, executor overhead, waiting)."""
+    """The schedule's predicted timeline with the measured step's median forward and backward cost of each
+    pipeline stage, so that the two pictures differ only by what the prediction leaves out (transfers, executor
+    overhead, waiting, ops of different micro-batches sharing a worker)."""
     import statistics
 
     k, v = measured.num_stages, measured.virtual_stages
@@ -200,6 +200,6 @@ def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
             stage = cell.chunk * k + cell.stage
             (forward if cell.phase == timeline.FORWARD else backward)[stage].append(cell.duration)
     costs = [max(statistics.median(forward[s]), 1e-9) for s in range(k * v)]
-    ratio = statistics.median(statistics.median(backward[s]) / costs[s] for s in range(k * v))
-    return timeline.predict(k, measured.num_micro_batches, costs, backward_ratio=max(ratio, 1e-3),
-                            schedule=measured.schedule, virtual_stages=v)
+    backward_costs = [max(statistics.median(backward[s]), 1e-9) for s in range(k * v)]
+    return timeline.predict(k, measured.num_micro_batches, costs, schedule=measured.schedule, virtual_stages=v,
+                            backward_costs=backward_costs)

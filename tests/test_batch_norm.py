@@ -49,10 +49,11 @@ def make_task(network):
     return p.instantiate()
 
 
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "interleaved"])
 @pytest.mark.parametrize("remat", ["never", "always"])
-def test_moving_averages_after_one_pipelined_step_use_full_batch_statistics(remat):
+def test_moving_averages_after_one_pipelined_step_use_full_batch_statistics(remat, schedule):
     network = GPipe.params().set(layers=layers(), num_stages=2, num_micro_batches=M, remat=remat,
-                                 devices=["/device:CPU:0", "/device:CPU:1"])
+                                 devices=["/device:CPU:0", "/device:CPU:1"], schedule=schedule)
     task = make_task(network)
     w = [task.network.children[f"layer_{j}"].vars for j in (0, 2)]
     w1, b1, w2, b2 = (v.numpy() for v in (w[0]["w"], w[0]["b"], w[1]["w"], w[1]["b"]))

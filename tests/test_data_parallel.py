@@ -23,10 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "toy.classifier.BlobsMlpGPipe"
 
 
-def train(num_replicas, num_stages, num_micro_batches, steps=5, dropout=0.0):
+def train(num_replicas, num_stages, num_micro_batches, steps=5, dropout=0.0, schedule="fill_drain"):
     params, _ = experiment.resolve_params(KEY, gin_bindings=[f"BlobsMlpGPipe.dropout_rate = {dropout}"])
     p = params.copy()
-    p.task.network.set(num_stages=num_stages, num_micro_batches=num_micro_batches,
+    p.task.network.set(num_stages=num_stages, num_micro_batches=num_micro_batches, schedule=schedule,
                        micro_batch_shape=[64 // (num_micro_batches * num_replicas), 16])
     layout = replicas.ReplicaLayout(local_replicas=num_replicas)
     with placement.replicas(num_replicas):
@@ -62,6 +62,15 @@ def test_two_replicas_of_two_stages_equal_one_unpipelined_model():
         [f"/device:CPU:{d}" for d in (1, 3)]]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert ref_losses[-1] < ref_losses[0]  # it trained: the comparison is not between two untouched models
+    for got, ref in zip(got_vars, ref_vars):
+        assert relative(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["one_f_one_b", "interleaved"])
+def test_two_replicas_of_a_loss_in_pipeline_schedule_equal_one_unpipelined_model(schedule):
+    _, ref_losses, ref_vars = train(1, 1, 1)
+    _, losses, got_vars = train(2, 2, 2, schedule=schedule)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for got, ref in zip(got_vars, ref_vars):
         assert relative(got, ref) < 1e-5
 

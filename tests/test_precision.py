@@ -152,31 +152,39 @@ class SmallLossRegression(BaseTask):
         self.network = self.create_child("network", self.p.network)
 
     def compute_loss(self, theta, batch, ctx):
-        out = self.network.fprop(theta["network"], self.to_fprop_dtype(batch["inputs"]), ctx)
-        loss = self.p.loss_weight * tf.reduce_mean(tf.square(tf.cast(out, tf.float32)))
+        inputs = self.to_fprop_dtype(batch["inputs"])
+        count = tf.constant(float(inputs.shape.num_elements()))
+
+        def head(head_theta, out, targets, micro_ctx):
+            return {"loss": self.p.loss_weight * tf.reduce_sum(tf.square(tf.cast(out, tf.float32)))}
+        sums = self.network_and_head(self.network, theta["network"], inputs, head, {}, {}, count, ctx)
+        loss = sums["loss"] / count
         return loss, {"loss": (loss, tf.constant(1.0))}
 
 
-def regression(fprop_dtype):
+def regression(fprop_dtype, schedule="fill_drain"):
     network = GPipe.params().set(layers=mlp_layers("float32", depth=4), num_stages=2, num_micro_batches=4,
-                                 devices=DEVICES[:2])
+                                 devices=DEVICES[:2], schedule=schedule)
     return SmallLossRegression.params().set(name="task", fprop_dtype=fprop_dtype, network=network).instantiate()
 
 
 def task_gradients(task, loss_scale=None):
     scaling = {} if loss_scale is None else {"loss_scale": tf.constant(loss_scale, tf.float32)}
-    fn = tf.function(lambda x: task.loss_and_gradients({"inputs": x}, FPropContext(), **scaling)[2])
+    fn = tf.function(lambda x: task.loss_and_gradients({"inputs": x}, FPropContext(training=True), **scaling)[2])
     return [g.numpy() for g in fn(tf.constant(X))]
 
 
-def test_float16_gradients_underflow_without_loss_scaling_and_match_float32_with_it():
-    ref = task_gradients(regression("float32"))
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b"])
+def test_float16_gradients_underflow_without_loss_scaling_and_match_float32_with_it(schedule):
+    """1F1B runs its backward inside the pipeline, started from loss_scale / normalizer: the scale protects it
+    as it protects a tape's backward."""
+    ref = task_gradients(regression("float32", schedule))
     assert all(np.abs(r).max() > 0 for r in ref)
     # float16's smallest subnormal is 6e-8: the output gradients (about 1e-8) flush to zero, and so does every
     # weight gradient.
-    unscaled = task_gradients(regression("float16"))
+    unscaled = task_gradients(regression("float16", schedule))
     assert all(np.count_nonzero(g) == 0 for g in unscaled), [np.abs(g).max() for g in unscaled]
-    scaled = task_gradients(regression("float16"), loss_scale=2.0 ** 15)
+    scaled = task_gradients(regression("float16", schedule), loss_scale=2.0 ** 15)
     for g, r in zip(scaled, ref):
         assert g.dtype == np.float32
         assert relative(g, r) < 1e-2

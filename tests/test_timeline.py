@@ -679,3 +679,13 @@ def test_report_predicts_the_chosen_schedule_from_a_plan():
         pipeline_report.predicted_timeline(plan, 4, schedule="interleaved", virtual_stages=3)
     with pytest.raises(ParamsError, match=r"schedule='1F1B' is invalid"):
         pipeline_report.predicted_timeline(plan, 4, schedule="1F1B")
+
+
+def test_backward_costs_replace_the_ratio_per_stage():
+    t = timeline.predict(2, 2, [1.0, 1.0], schedule="one_f_one_b", backward_costs=[2.0, 5.0])
+    assert [c.duration for c in t.stage_cells(1) if c.phase == "B"] == [5.0, 5.0]
+    assert [c.duration for c in t.stage_cells(0) if c.phase == "B"] == [2.0, 2.0]
+    # F(1,0) ends at 2; B(1,0) 2..7; B(0,0) 7..9; F(1,1) 7..8, B(1,1) 8..13; B(0,1) 13..15.
+    assert t.makespan == 15.0
+    with pytest.raises(ParamsError, match=r"backward_costs=\[1.0\] has 1 entries .* one backward cost"):
+        timeline.predict(2, 2, backward_costs=[1.0])

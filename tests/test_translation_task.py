@@ -17,15 +17,16 @@ BOS, EOS = 1, 2
 DEVICES = [f"/device:CPU:{i}" for i in range(2)]
 
 
-def tiny_params(dtype="float64", k=1, m=1, share=True):
+def tiny_params(dtype="float64", k=1, m=1, share=True, schedule="fill_drain"):
     p = TranslationTask.params().set(
         name="translation", dtype=dtype, vocab_size=VOCAB, model_dim=8, num_heads=2, hidden_dim=12,
         num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0, label_smoothing=0.1, share_embeddings=share)
-    return p.set(network=TranslationTask.network_params(p, num_stages=k, num_micro_batches=m, devices=DEVICES[:k]))
+    return p.set(network=TranslationTask.network_params(p, num_stages=k, num_micro_batches=m, devices=DEVICES[:k],
+                                                        schedule=schedule))
 
 
-def tiny_task(dtype="float64", k=1, m=1, share=True):
-    return tiny_params(dtype, k, m, share).instantiate()
+def tiny_task(dtype="float64", k=1, m=1, share=True, schedule="fill_drain"):
+    return tiny_params(dtype, k, m, share, schedule).instantiate()
 
 
 def embedding_tables(task):
@@ -47,11 +48,11 @@ def tiny_batch():
             "tgt_paddings": tf.constant(tgt_pad)}
 
 
-def loss_and_grads(task, batch):
+def loss_and_grads(task, batch, training=False):
     @tf.function
     def step():
         with tf.GradientTape() as tape:
-            loss, metrics = task.compute_loss(task.theta, batch, FPropContext(training=False))
+            loss, metrics = task.compute_loss(task.theta, batch, FPropContext(training=training))
         with placement.colocate_gradients():
             grads = tape.gradient(loss, task.trainable_variables)
         return loss, metrics["token_accuracy"][0], grads
@@ -72,6 +73,19 @@ def test_pipelined_equals_unpipelined_loss_and_gradients(share):
         np.testing.assert_allclose(got[2][name], ref[2][name], rtol=1e-9, atol=1e-12, err_msg=name)
     # Every weight, including the embedding table(s) and the decoder's cross-attention, gets a gradient.
     assert all(np.any(g != 0) for name, g in ref[2].items() if "bias" not in name and "/b" not in name)
+
+
+@pytest.mark.parametrize("schedule,k,m", [("one_f_one_b", 2, 2), ("one_f_one_b", 2, 4), ("interleaved", 2, 2)])
+def test_loss_in_the_pipeline_per_micro_batch_equals_unpipelined(schedule, k, m):
+    """Padding weights combine per micro-batch exactly as in the full-batch loss (the micro-batches here hold
+    different numbers of real tokens), the metric too."""
+    batch = tiny_batch()
+    ref = loss_and_grads(tiny_task(k=1, m=1), batch, training=True)
+    got = loss_and_grads(tiny_task(k=k, m=m, schedule=schedule), batch, training=True)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-10)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-10)
+    for name in ref[2]:
+        np.testing.assert_allclose(got[2][name], ref[2][name], rtol=1e-9, atol=1e-12, err_msg=name)
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -290,16 +290,17 @@ def _check_measured_cell(j: int, cell: object, k: int, m: int, v: int) -> Cell:
                                micro_batch=None if cell.micro_batch is None else int(cell.micro_batch))
 
 
-def _check_costs(stage_costs: Sequence[float] | None, count: int, count_text: str) -> list[float]:
+def _check_costs(stage_costs: Sequence[float] | None, count: int, count_text: str, name: str = "stage_costs",
+                 what: str = "forward") -> list[float]:
     if stage_costs is None:
         return [1.0] * count
     if isinstance(stage_costs, (str, bytes)) or not isinstance(stage_costs, _SEQUENCES):
-        raise ParamsError(f"stage_costs={stage_costs!r} is invalid: give a list of {count} forward costs, "
+        raise ParamsError(f"{name}={stage_costs!r} is invalid: give a list of {count} {what} costs, "
                           "one per pipeline stage (or None for equal stages)")
     if len(stage_costs) != count:
-        raise ParamsError(f"stage_costs={list(stage_costs)!r} has {len(stage_costs)} entries for {count_text}: "
-                          "give exactly one forward cost per pipeline stage")
-    return [_check_positive(f"stage_costs[{k}]", c, "a stage's forward cost, e.g. its measured seconds")
+        raise ParamsError(f"{name}={list(stage_costs)!r} has {len(stage_costs)} entries for {count_text}: "
+                          f"give exactly one {what} cost per pipeline stage")
+    return [_check_positive(f"{name}[{k}]", c, f"a stage's {what} cost, e.g. its measured seconds")
             for k, c in enumerate(stage_costs)]
 
 
@@ -405,7 +406,7 @@ def _simulate(orders: list[list[tuple[str, int, int]]], forward_cost: list[float
 
 def predict(num_stages: int, num_micro_batches: int, stage_costs: Sequence[float] | None = None,
             backward_ratio: float = 2.0, remat: Sequence[bool] | bool = False, *, schedule: str = FILL_DRAIN,
-            virtual_stages: int = 1) -> Timeline:
+            virtual_stages: int = 1, backward_costs: Sequence[float] | None = None) -> Timeline:
     """Simulates a pipeline schedule and returns its timeline.
 
     Each stage (device, when interleaved) runs one cell at a time in the schedule's fixed order, each cell as
@@ -432,6 +433,7 @@ def predict(num_stages: int, num_micro_batches: int, stage_costs: Sequence[float
       remat: whether each pipeline stage recomputes its forward in the backward; one bool applies to all.
       schedule: one of SCHEDULES: 'fill_drain', 'one_f_one_b' or 'interleaved'.
       virtual_stages: v, chunks per device; only the interleaved schedule takes v > 1.
+      backward_costs: each pipeline stage's backward cost, instead of backward_ratio and remat (e.g. measured).
 
     Raises:
       ParamsError: an argument is out of range or has the wrong length.
@@ -451,6 +453,8 @@ def predict(num_stages: int, num_micro_batches: int, stage_costs: Sequence[float
     recompute = _check_remat(remat, count, count_text)
 
     backward_cost = [ratio * c + (c if r else 0.0) for c, r in zip(costs, recompute)]
+    if backward_costs is not None:
+        backward_cost = _check_costs(backward_costs, count, count_text, "backward_costs", "backward")
     cells = _simulate(_device_orders(schedule, k_stages, m, v), costs, backward_cost)
     cells.sort(key=lambda c: (c.start, c.stage))
     makespan = max(c.end for c in cells)

@@ -349,7 +349,8 @@ def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The closing table."""
-    cols = ["workload", "schedule", "k", "m", "remat", "step_time_s", "vs_one_worker", "efficiency", "efficiency_same_m",
+    cols = ["workload", "schedule", "k", "m", "remat", "step_time_s", "vs_one_worker", "efficiency",
+            "efficiency_same_m",
             "efficiency_bound", "remat_cost", "flops_fraction", "compile_s", "peak_memory_mb"]
     widths = [max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]

@@ -217,7 +217,8 @@ def test_one_f_one_b_keeps_every_stage_on_its_device(remat, matmuls):
 
 
 def test_interleaved_errors_name_the_fix():
-    with pytest.raises(ParamsError, match=r"num_micro_batches=3 is not a multiple of num_stages=2.*OneForwardOneBackward"):
+    with pytest.raises(ParamsError,
+                       match=r"num_micro_batches=3 is not a multiple of num_stages=2.*OneForwardOneBackward"):
         build(mlp_layers("float32", depth=8), "float32", 2, 3, "never", Interleaved.params().set(virtual_stages=2))
     with pytest.raises(ParamsError, match=r"virtual_stages=0 must be a whole number >= 1"):
         build(mlp_layers("float32", depth=8), "float32", 2, 2, "never", Interleaved.params().set(virtual_stages=0))

@@ -53,6 +53,11 @@ class OneForwardOneBackward(FillDrain):
         k = job.num_stages
         return [k - s for s in range(k)]
 
+    def forward_waits(self, job: PipelineJob) -> dict[int, tuple[int, int]]:
+        """{stage s: (stage t, lag)}: the forward of micro-batch i on s also waits for t's forward of micro-batch
+        i - lag (on the same device; a further order between stages). None here."""
+        return {}
+
     def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
         """Forward, loss and backward of every micro-batch in one loop; see the module doc."""
         if not job.training:
@@ -67,6 +72,11 @@ class OneForwardOneBackward(FillDrain):
         head = list(loss.head_weights)
         input_gradient = job.input_gradient
         windows = self.in_flight(job)
+        waits = self.forward_waits(job)
+        waiting = sorted(waits)  # the stages with a forward ring, in loop-variable order
+        fills = {}  # {stage t: [index into `waiting`]}: the rings the forward of t fills
+        for j, s in enumerate(waiting):
+            fills.setdefault(waits[s][0], []).append(j)
         value_spec = _loss_value_spec(loss, job, m)
         names = sorted(value_spec)
         if "loss" not in value_spec:
@@ -92,8 +102,10 @@ class OneForwardOneBackward(FillDrain):
                 targets = microbatch.split(loss.targets, m)
                 seed = tf.constant(1.0) if loss.gradient_seed is None else tf.identity(loss.gradient_seed)
 
-            def body(first: tf.Tensor, last: tf.Tensor, weights: tuple, head_w: tuple, tokens: tuple,
+            def body(first: tf.Tensor, last: tf.Tensor, weights: tuple, head_w: tuple, rings: tuple,
                      sums: tuple, head_sums: tuple, values: tuple, *state: Any) -> tuple:
+                tokens, forward_rings = rings
+                new_forward_rings = list(forward_rings)
                 aux_sums, arrays = state[:num_aux], state[num_aux:]
                 with placement.on_stage(scopes[0]):
                     first_next = first + 1
@@ -105,13 +117,18 @@ class OneForwardOneBackward(FillDrain):
                     with placement.on_stage(scopes[s]), tf.name_scope("forward"):
                         # Wait for the backward of micro-batch index - windows[s] on this stage (1F1B's order and
                         # its bound on stashes); the stage's own copy of its input stays on its device.
-                        with tf.control_dependencies([tokens[s][0]]):
+                        before = [tokens[s][0]] + ([forward_rings[waiting.index(s)][0]] if s in waits else [])
+                        with tf.control_dependencies(before):
                             h = tf.nest.map_structure(tf.identity, h)
 
                         def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
                             return job.run_stage(s, ws, x, micro_ctx)
                         records.append(StageForward(fn, weights[s], h, s > 0 or input_gradient, job.plan.remat[s]))
                         h = records[-1].outputs
+                        for j in fills.get(s, []):
+                            with tf.control_dependencies(float_leaves(h)):
+                                done = tf.identity(forward_rings[j][-1])
+                            new_forward_rings[j] = tuple(forward_rings[j][1:]) + (done,)
                 stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec}) if aux_spec else []
                 with placement.on_stage(scopes[-1]):
                     last_next = last + 1
@@ -143,14 +160,18 @@ class OneForwardOneBackward(FillDrain):
                 if input_gradient:
                     with placement.on_stage(scopes[0]):
                         arrays = tuple(a.write(index, d) for a, d in zip(arrays, dy))
-                return (first_next, last_next, weights, head_w, tuple(new_tokens), tuple(new_sums), head_sums,
-                        values, *aux_sums, *arrays)
+                return (first_next, last_next, weights, head_w, (tuple(new_tokens), tuple(new_forward_rings)),
+                        tuple(new_sums), head_sums, values, *aux_sums, *arrays)
 
             initial_tokens, initial_sums = [], []
             for s in range(k):
                 with tf.device(devices[s]):
                     initial_tokens.append(tuple(tf.constant(0) for _ in range(windows[s])))
                     initial_sums.append(tuple(tf.zeros_like(w) for w in thetas[s]))
+            initial_forward_rings = []
+            for s in waiting:
+                with tf.device(devices[waits[s][0]]):  # filled by stage t's forward, read by s on the same device
+                    initial_forward_rings.append(tuple(tf.constant(0) for _ in range(waits[s][1])))
             with tf.device(devices[-1]):
                 # Half-precision head weights (cast by the task) still sum their gradients in float32.
                 head_zeros = tuple(tf.zeros(w.shape, _sum_dtype(w.dtype)) for w in head_ws)
@@ -167,7 +188,7 @@ class OneForwardOneBackward(FillDrain):
             with tf.compat.v1.get_default_graph().device(placement.loop_device(condition, condition)):
                 out = tf.while_loop(
                     lambda *_: True, body,
-                    (*counters, tuple(tuple(ws) for ws in thetas), tuple(head_ws), tuple(initial_tokens),
+                    (*counters, tuple(tuple(ws) for ws in thetas), tuple(head_ws), (tuple(initial_tokens), tuple(initial_forward_rings)),
                      tuple(initial_sums), head_zeros, value_zeros, *aux_zeros, *arrays),
                     maximum_iterations=m, parallel_iterations=m)
             _, _, _, _, _, grad_sums, head_sums, values, *state = out

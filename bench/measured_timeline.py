@@ -4,7 +4,7 @@ worker, read from the TensorFlow profiler's traces of the workers (`workers.Loca
 How a trace becomes cells:
 
 * Steps run with a pause between them while the workers are traced; the pauses split the merged events of all
-  workers into steps, and a step that starts and ends inside the trace window is kept.
+  workers into steps, and the first step that starts and ends inside the trace window and parses is kept.
 * An op belongs to a pipeline stage by its name scope (``gpipe<id>_stage<s>``, `placement.stage_scope`), to the
   backward pass where its name says it is a gradient (``gradient_tape/``, ``gradients/``, ``_grad/``,
   ``backward/``), else to the forward pass.
@@ -89,7 +89,8 @@ def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float]
     """The cells of the step in `window`; row = worker, chunk = pipeline stage // K (see the module doc).
 
     Raises:
-      ValueError: an op ran neither once nor M times in the step (not a loop schedule, or a cut step).
+      ValueError: an op ran neither once nor M times in the step, or no stage op ran M times (not a loop
+        schedule, or a cut or stalled step).
     """
     if order not in _BACKWARD_ORDER:
         raise ValueError(f"order={order!r}: measured timelines support {tuple(_BACKWARD_ORDER)} (the unrolled "
@@ -124,6 +125,8 @@ def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float]
             if stage % k != row:
                 raise ValueError(f"pipeline stage {stage} ran on worker {row}; expected worker {stage % k}")
             cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=stage // k))
+    if not any(c.phase != timeline.TRANSFER for c in cells):
+        raise ValueError("no stage op ran M times in this step: a part of a stalled step, or not a pipeline")
     return cells
 
 
@@ -141,14 +144,42 @@ def _span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object], step_seconds: float,
-               num_micro_batches: int, order: str, virtual_stages: int = 1) -> timeline.Timeline:
+               num_micro_batches: int, order: str, virtual_stages: int = 1, attempts: int = 3) -> timeline.Timeline:
     """Traces the workers while `run_step` runs steps with pauses, and returns one complete step's timeline.
 
-    `step_seconds`: about how long a step takes (the pause between steps is that long, at least 0.2 s).
+    `step_seconds`: about how long a step takes; the pause between steps is twice that (at least 0.5 s) and the
+    trace covers about five steps (at least 4 s). On a busy machine a step may stall inside, look like two, or
+    fall off the trace: every step found is tried, and the whole trace is taken again up to `attempts` times.
+
+    Raises:
+      RuntimeError: no trace of `attempts` held a step whose ops ran once or M times each; names the last reason.
     """
+    pause = max(0.5, 2.0 * step_seconds)
+    duration = max(4.0, 5.0 * (step_seconds + pause))
+    reason = "no trace taken"
+    for _ in range(attempts):
+        per_worker = _trace(profiler_addresses, run_step, pause, duration)
+        steps = split_steps(per_worker, 0.5 * pause)
+        if not steps:
+            reason = f"no complete step in the {duration:.1f} s trace"
+        for window in steps:
+            try:
+                cells = cells_of_step(per_worker, window, num_micro_batches, order, virtual_stages)
+            except ValueError as e:  # a stalled or cut step; the next one, or the next trace, may be whole
+                reason = str(e)
+                continue
+            return timeline.Timeline.measured(len(profiler_addresses), num_micro_batches, cells, schedule=order,
+                                              virtual_stages=virtual_stages)
+        duration *= 2
+    raise RuntimeError(f"no whole step in {attempts} traces of the workers ({reason}): the machine may be too busy; "
+                       "run again on a quieter machine")
+
+
+def _trace(profiler_addresses: Sequence[str], run_step: Callable[[], object], pause: float,
+           duration: float) -> list[list[Event]]:
+    """Each worker's events while `run_step` runs steps `pause` seconds apart, traced for `duration` seconds."""
     import tensorflow as tf
 
-    pause = max(0.2, step_seconds)
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -165,7 +196,7 @@ def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object]
         runner.start()
         try:
             service = ",".join(f"grpc://{address}" for address in profiler_addresses)
-            tf.profiler.experimental.client.trace(service, logdir, int(1000 * 4 * (step_seconds + pause)))
+            tf.profiler.experimental.client.trace(service, logdir, int(1000 * duration))
         finally:
             stop.set()
             runner.join()
@@ -176,14 +207,7 @@ def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object]
         missing = [a for a in profiler_addresses if a not in by_address]
         if missing:
             raise FileNotFoundError(f"no trace from the worker profilers at {missing}; got {sorted(by_address)}")
-        per_worker = [read_events(by_address[a]) for a in profiler_addresses]
-    steps = split_steps(per_worker, 0.5 * pause)
-    if not steps:
-        raise RuntimeError(f"no complete step in the {4 * (step_seconds + pause):.1f} s trace: the machine may be "
-                           "too busy; run again on a quieter machine")
-    cells = cells_of_step(per_worker, steps[0], num_micro_batches, order, virtual_stages)
-    return timeline.Timeline.measured(len(profiler_addresses), num_micro_batches, cells, schedule=order,
-                                      virtual_stages=virtual_stages)
+        return [read_events(by_address[a]) for a in profiler_addresses]
 
 
 def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:

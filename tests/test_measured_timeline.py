@@ -94,3 +94,18 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
                 assert f"{i}'" in cells_text or f"{i}a'" in cells_text or f"{i}b'" in cells_text, (schedule, row)
         image = tf.io.decode_png((out / f"timeline_{schedule}.png").read_bytes())
         assert image.shape[0] > 150 and image.shape[1] > 600
+
+
+def test_a_stalled_step_is_skipped_for_a_whole_one(monkeypatch):
+    """On a busy machine a step can stall inside (and look like two): trace_step tries the next step."""
+    op = "while/gpipe0_stage0/forward/MatMul"
+    stalled = [(1.0, 1.1, op, "MatMul"), (2.0, 2.1, op, "MatMul")]  # split by a stall: each part runs it once
+    whole = [(3.0, 3.1, op, "MatMul"), (3.1, 3.2, op, "MatMul")]
+    events = [(0.0, 0.1, op, "MatMul")] + stalled + whole + [(5.0, 5.1, op, "MatMul")]
+    monkeypatch.setattr(measured_timeline, "_trace", lambda *args: [events])
+    got = measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, "one_f_one_b")
+    assert sorted(c.micro_batch for c in got.cells) == [0, 1]
+    assert got.makespan == pytest.approx(0.2)
+    monkeypatch.setattr(measured_timeline, "_trace", lambda *args: [[(0.0, 0.1, op, "MatMul")]])
+    with pytest.raises(RuntimeError, match=r"no whole step in 3 traces .*no complete step"):
+        measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, "one_f_one_b")

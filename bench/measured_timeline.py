@@ -22,20 +22,14 @@ counting; it is not supported here.
 from __future__ import annotations
 
 import collections
-import glob
-import os
 import re
-import tempfile
-import threading
-import time
 from typing import Callable, Sequence
 
+from bench import op_breakdown
 from gpipe_tf.gpipe import timeline
 
 _STAGE = re.compile(r"gpipe\d+_stage(\d+)")
 _BACKWARD = ("gradient_tape/", "gradients/", "_grad/", "backward/")
-_TRANSFER = {"_Send", "_Recv", "_HostSend", "_HostRecv", "Send", "Recv"}
-_NOT_OPS = ("::", "MemoryAllocation", "MemoryDeallocation")
 # Shape and loop bookkeeping: a gradient's shape ops, e.g., run as soon as the forward pass gives the shapes, long
 # before the gradient itself can start; they would stretch a cell over time its stage spent elsewhere.
 _BOOKKEEPING = {"Shape", "ShapeN", "BroadcastGradientArgs", "Reshape", "Identity", "Const", "Fill", "ZerosLike",
@@ -46,29 +40,7 @@ _BOOKKEEPING = {"Shape", "ShapeN", "BroadcastGradientArgs", "Reshape", "Identity
 # The order in which a stage's backward passes visit micro-batches: fill-drain drains last to first.
 _BACKWARD_ORDER = {"fill_drain": "reverse", "one_f_one_b": "forward", "interleaved": "forward"}
 
-Event = tuple[float, float, str, str]  # start s, end s, node name, op type
-
-
-def read_events(path: str) -> list[Event]:
-    """The ops of the executor threads in one `*.xplane.pb` trace file, sorted by start."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
-    with open(path, "rb") as f:
-        space.ParseFromString(f.read())
-    events = []
-    for plane in space.planes:
-        for line in plane.lines:
-            if not line.name.startswith("tf_Compute"):
-                continue
-            for event in line.events:
-                name = plane.event_metadata[event.metadata_id].name
-                if ":" not in name or any(tag in name for tag in _NOT_OPS):
-                    continue
-                node, op_type = name.rsplit(":", 1)
-                start = line.timestamp_ns * 1e-9 + event.offset_ps * 1e-12
-                events.append((start, start + event.duration_ps * 1e-12, node, op_type))
-    return sorted(events)
+Event = op_breakdown.Event
 
 
 def split_steps(per_worker: Sequence[list[Event]], min_gap: float) -> list[tuple[float, float]]:
@@ -102,7 +74,7 @@ def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float]
         for start, end, node, op_type in events:
             if not window[0] <= start <= window[1]:
                 continue
-            if op_type in _TRANSFER:
+            if op_breakdown.category(op_type) == "transfer":
                 cells.append(timeline.Cell(row, None, timeline.TRANSFER, start, end))
                 continue
             found = _STAGE.findall(node)
@@ -178,36 +150,8 @@ def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object]
 def _trace(profiler_addresses: Sequence[str], run_step: Callable[[], object], pause: float,
            duration: float) -> list[list[Event]]:
     """Each worker's events while `run_step` runs steps `pause` seconds apart, traced for `duration` seconds."""
-    import tensorflow as tf
-
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def loop() -> None:
-        try:
-            while not stop.is_set():
-                run_step()
-                time.sleep(pause)
-        except BaseException as e:  # re-raised below, in the caller's thread
-            errors.append(e)
-
-    runner = threading.Thread(target=loop, daemon=True)
-    with tempfile.TemporaryDirectory(prefix="timeline_trace_") as logdir:
-        runner.start()
-        try:
-            service = ",".join(f"grpc://{address}" for address in profiler_addresses)
-            tf.profiler.experimental.client.trace(service, logdir, int(1000 * duration))
-        finally:
-            stop.set()
-            runner.join()
-        if errors:
-            raise errors[0]
-        paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-        by_address = {os.path.basename(p).split(".xplane")[0].replace("_", ":"): p for p in paths}
-        missing = [a for a in profiler_addresses if a not in by_address]
-        if missing:
-            raise FileNotFoundError(f"no trace from the worker profilers at {missing}; got {sorted(by_address)}")
-        return [read_events(by_address[a]) for a in profiler_addresses]
+    with op_breakdown.worker_traces(profiler_addresses, run_step, int(1000 * duration), pause) as paths:
+        return [op_breakdown.read_events(path) for path in paths]
 
 
 def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:

@@ -16,12 +16,13 @@ time then and says so.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import tempfile
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 CATEGORIES = ("matmul", "attention", "normalization", "elementwise", "transfer", "idle")
 
@@ -56,29 +57,40 @@ def _trace_files(logdir: str) -> list[str]:
     return paths
 
 
-def _file_op_seconds(path: str) -> tuple[dict[str, float], float]:
-    """(seconds by op type, seconds from the first op's start to the last op's end) of one trace file."""
+# One op run on an executor thread: (start s, end s, node name, op type).
+Event = tuple[float, float, str, str]
+
+
+def read_events(path: str) -> list[Event]:
+    """The ops run on the executor threads in one `*.xplane.pb` trace file, sorted by start."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
-    totals: dict[str, float] = {}
-    first, last = float("inf"), float("-inf")
+    events = []
     for plane in space.planes:
-        names = plane.event_metadata
         for line in plane.lines:
             if not line.name.startswith("tf_Compute"):  # the executor's threads; the python line nests calls
                 continue
             for event in line.events:
-                name = names[event.metadata_id].name
+                name = plane.event_metadata[event.metadata_id].name
                 if ":" not in name or any(tag in name for tag in _NOT_OPS):
                     continue
-                op_type = name.rsplit(":", 1)[1]
-                totals[op_type] = totals.get(op_type, 0.0) + event.duration_ps / 1e12
+                node, op_type = name.rsplit(":", 1)
                 start = line.timestamp_ns * 1e-9 + event.offset_ps * 1e-12
-                first, last = min(first, start), max(last, start + event.duration_ps * 1e-12)
-    return totals, max(0.0, last - first)
+                events.append((start, start + event.duration_ps * 1e-12, node, op_type))
+    return sorted(events)
+
+
+def _file_op_seconds(path: str) -> tuple[dict[str, float], float]:
+    """(seconds by op type, seconds from the first op's start to the last op's end) of one trace file."""
+    totals: dict[str, float] = {}
+    events = read_events(path)
+    for start, end, _, op_type in events:
+        totals[op_type] = totals.get(op_type, 0.0) + (end - start)
+    span = max(end for _, end, _, _ in events) - events[0][0] if events else 0.0
+    return totals, max(0.0, span)
 
 
 def op_seconds(logdir: str) -> dict[str, float]:
@@ -99,14 +111,12 @@ def by_category(op_type_seconds: dict[str, float], wall: float) -> dict[str, flo
     return result
 
 
-def trace_workers(profiler_addresses: Sequence[str], run_step: Callable[[], object],
-                  duration_ms: int = 3000) -> list[dict[str, float]]:
-    """Each worker's time by category, as fractions of its traced span, while `run_step` runs steps back to back.
-
-    `profiler_addresses` are the workers' profiler servers (`workers.LocalWorkers(..., profiler=True)`), in task
-    order. The span runs from the worker's first traced op to its last (about `duration_ms`); idle is the part of
-    it in which no op of that worker ran. Returns one dict per worker: category -> fraction of the span.
-    """
+@contextlib.contextmanager
+def worker_traces(profiler_addresses: Sequence[str], run_step: Callable[[], object], duration_ms: int,
+                  pause_s: float = 0.0) -> Iterator[list[str]]:
+    """Traces the workers' profiler servers for `duration_ms` while `run_step` runs steps (`pause_s` apart) in a
+    thread; yields each worker's `*.xplane.pb` trace file, in the order of `profiler_addresses`, for as long as the
+    context lasts. An exception of `run_step` is re-raised here."""
     import tensorflow as tf
 
     stop = threading.Event()
@@ -116,6 +126,8 @@ def trace_workers(profiler_addresses: Sequence[str], run_step: Callable[[], obje
         try:
             while not stop.is_set():
                 run_step()
+                if pause_s:
+                    time.sleep(pause_s)
         except BaseException as e:  # re-raised below, in the caller's thread
             errors.append(e)
 
@@ -130,14 +142,25 @@ def trace_workers(profiler_addresses: Sequence[str], run_step: Callable[[], obje
             runner.join()
         if errors:
             raise errors[0]
-        paths = _trace_files(logdir)
         # One file per worker, named after its profiler address.
-        by_address = {os.path.basename(p).split(".xplane")[0].replace("_", ":"): p for p in paths}
-        shares = []
-        for address in profiler_addresses:
-            path = by_address.get(address)
-            if path is None:
-                raise FileNotFoundError(f"no trace from the worker profiler at {address}; got {sorted(by_address)}")
+        by_address = {os.path.basename(p).split(".xplane")[0].replace("_", ":"): p for p in _trace_files(logdir)}
+        missing = [a for a in profiler_addresses if a not in by_address]
+        if missing:
+            raise FileNotFoundError(f"no trace from the worker profilers at {missing}; got {sorted(by_address)}")
+        yield [by_address[a] for a in profiler_addresses]
+
+
+def trace_workers(profiler_addresses: Sequence[str], run_step: Callable[[], object],
+                  duration_ms: int = 3000) -> list[dict[str, float]]:
+    """Each worker's time by category, as fractions of its traced span, while `run_step` runs steps back to back.
+
+    `profiler_addresses` are the workers' profiler servers (`workers.LocalWorkers(..., profiler=True)`), in task
+    order. The span runs from the worker's first traced op to its last (about `duration_ms`); idle is the part of
+    it in which no op of that worker ran. Returns one dict per worker: category -> fraction of the span.
+    """
+    shares = []
+    with worker_traces(profiler_addresses, run_step, duration_ms) as paths:
+        for address, path in zip(profiler_addresses, paths):
             by_type, span = _file_op_seconds(path)
             if span <= 0:
                 raise RuntimeError(f"the trace of the worker at {address} holds no op: no step ran while tracing")

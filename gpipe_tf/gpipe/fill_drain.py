@@ -41,7 +41,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.gpipe.leaves import float_leaves, is_float, with_float_leaves
 from gpipe_tf.gpipe.remat import stage_op
-from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule
+from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule, stopped_arguments
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 
@@ -81,17 +81,7 @@ class FillDrain(Schedule):
 
         @tf.custom_gradient
         def pipeline(*args: tf.Tensor) -> Any:
-            # stop_gradient hides the arguments from the caller's tape: with two tapes watching it, TensorFlow
-            # wraps the loop in an extra function, which loses the placement and the ordering below.
-            stopped = []
-            for a in args:
-                with tf.device(a.device or devices[0]):
-                    stopped.append(tf.stop_gradient(a))
-            xs = stopped[:len(flat_inputs)]
-            thetas, start = [], len(flat_inputs)
-            for flat in flat_theta:
-                thetas.append(stopped[start:start + len(flat)])
-                start += len(flat)
+            xs, thetas, _ = stopped_arguments(args, devices[0], len(flat_inputs), [len(f) for f in flat_theta])
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
                 flat_weights = [w for ws in thetas for w in ws]

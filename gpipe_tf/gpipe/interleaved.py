@@ -15,8 +15,6 @@ must be a multiple of K.
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.schedule_base import PipelineJob
@@ -62,7 +60,3 @@ class Interleaved(OneForwardOneBackward):
         v = job.num_stages // k
         return {d: (d + (v - 1) * k, k) for d in range(k)} if v > 1 else {}
 
-    @staticmethod
-    def virtual_stages_of(params: Any) -> int:
-        """v of an Interleaved schedule's Params."""
-        return int(params.virtual_stages)

@@ -39,7 +39,7 @@ from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.gpipe.remat import StageForward
-from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
+from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule, stopped_arguments
 from gpipe_tf.layers.base_layer import FPropContext
 
 
@@ -85,17 +85,7 @@ class OneForwardOneBackward(FillDrain):
 
         @tf.custom_gradient
         def pipeline(*args: tf.Tensor) -> Any:
-            # stop_gradient: the gradients are computed here, not by the caller's tape (see fill_drain.py).
-            stopped = []
-            for a in args:
-                with tf.device(a.device or devices[0]):
-                    stopped.append(tf.stop_gradient(a))
-            xs = stopped[:len(flat_inputs)]
-            thetas, start = [], len(flat_inputs)
-            for flat in flat_theta:
-                thetas.append(stopped[start:start + len(flat)])
-                start += len(flat)
-            head_ws = stopped[start:]
+            xs, thetas, head_ws = stopped_arguments(args, devices[0], len(flat_inputs), [len(f) for f in flat_theta])
             with tf.device(devices[0]):
                 micro = microbatch.split(with_float_leaves(inputs, xs), m)
             with tf.device(devices[-1]):
@@ -188,7 +178,8 @@ class OneForwardOneBackward(FillDrain):
             with tf.compat.v1.get_default_graph().device(placement.loop_device(condition, condition)):
                 out = tf.while_loop(
                     lambda *_: True, body,
-                    (*counters, tuple(tuple(ws) for ws in thetas), tuple(head_ws), (tuple(initial_tokens), tuple(initial_forward_rings)),
+                    (*counters, tuple(tuple(ws) for ws in thetas), tuple(head_ws),
+                     (tuple(initial_tokens), tuple(initial_forward_rings)),
                      tuple(initial_sums), head_zeros, value_zeros, *aux_zeros, *arrays),
                     maximum_iterations=m, parallel_iterations=m)
             _, _, _, _, _, grad_sums, head_sums, values, *state = out

@@ -97,6 +97,25 @@ class PipelineJob:
         return len(self.devices)
 
 
+def stopped_arguments(args: Sequence[tf.Tensor], default_device: str, num_inputs: int,
+                      stage_sizes: Sequence[int]) -> tuple[list[tf.Tensor], list[list[tf.Tensor]], list[tf.Tensor]]:
+    """The arguments of a schedule's `tf.custom_gradient` op behind `tf.stop_gradient`, each on its own device
+    (else `default_device`): (the inputs' float leaves, each stage's weights, the rest).
+
+    Why: the op computes its gradients itself (or by a tape of its own), and with the caller's tape also watching
+    the arguments TensorFlow wraps the loop in an extra function, which loses the loop's placement and order.
+    """
+    stopped = []
+    for a in args:
+        with tf.device(a.device or default_device):
+            stopped.append(tf.stop_gradient(a))
+    thetas, start = [], num_inputs
+    for size in stage_sizes:
+        thetas.append(stopped[start:start + size])
+        start += size
+    return stopped[:num_inputs], thetas, stopped[start:]
+
+
 class Schedule:
     """Base class of pipeline schedules: Params-configured, owning their state, run on a `PipelineJob`."""
 

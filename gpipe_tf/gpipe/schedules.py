@@ -31,4 +31,4 @@ def schedule_params(value: Any, path: str = "") -> InstantiableParams:
 def virtual_stages(value: Any, path: str = "") -> int:
     """Pipeline stages per device of the schedule a `schedule` field stands for: v for Interleaved, else 1."""
     p = schedule_params(value, path)
-    return Interleaved.virtual_stages_of(p) if issubclass(p.cls, Interleaved) else 1
+    return int(p.virtual_stages) if issubclass(p.cls, Interleaved) else 1

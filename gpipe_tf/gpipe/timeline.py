@@ -17,8 +17,9 @@ micro-batch) at a time, each cell as early as its dependencies allow:
 
 With equal stage costs the idle fraction ("bubble") is exactly that bound, (K-1)/(M+K-1) for fill-drain and 1F1B,
 (K-1)/(vM+K-1) interleaved, whatever the backward/forward ratio; unbalanced stages or per-stage
-rematerialization do worse, and `predict` shows by how much before anything is run. `Timeline.measured` builds the same structure from measured cells (seconds),
-transfers ('T') included, so a profiled step can be drawn next to its prediction.
+rematerialization do worse, and `predict` shows by how much before anything is run. `Timeline.measured` builds
+the same structure from measured cells (seconds), transfers ('T') included, so a profiled step can be drawn next
+to its prediction.
 
 `render_text` draws a timeline for logs, `render_png` / `image_tensor` for files and `tf.summary.image` (a titled,
 labelled picture with a legend, drawn with Pillow, which TensorBoard itself depends on);

@@ -9,9 +9,13 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["gpipe_tf", "gpipe_tf.*", "model_registry", "model_registry.*",
-                                    "params", "params.*"]),
-    py_modules=["trainer"],
+    # Only the gpipe_tf namespace is installed, so that no top-level `params`, `model_registry` or `trainer` collides
+    # with a user's own modules: the checkout's params/ and model_registry/ folders are installed as
+    # gpipe_tf.params and gpipe_tf.model_registry, and trainer.py is a launcher for gpipe_tf.trainer_main.
+    packages=(find_packages(include=["gpipe_tf", "gpipe_tf.*"])
+              + ["gpipe_tf.model_registry"]
+              + ["gpipe_tf." + name for name in find_packages(include=["params", "params.*"])]),
+    package_dir={"gpipe_tf.model_registry": "model_registry", "gpipe_tf.params": "params"},
     install_requires=[
         "tensorflow>=2.21,<2.22",
         # TF 2.21 no longer pulls TensorBoard in, and tf.summary raises without it.

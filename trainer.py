@@ -41,7 +41,10 @@ MODES = ("train", "eval", "train_and_eval", "decode", "export", "inspect", "insp
 # Modes that read one checkpoint: --checkpoint chooses it.
 _CHECKPOINT_MODES = ("eval", "decode", "export")
 
-flags.DEFINE_string("model", None, "Registry key of the experiment, e.g. toy.classifier.BlobsMlp.")
+flags.DEFINE_string("model", None, "Registry key of the experiment, e.g. toy.classifier.BlobsMlp, or "
+                    "<module path>.<Class> for an experiment in your own package (e.g. mypkg.experiments.MyMlp).")
+flags.DEFINE_multi_string("module", [], "Import this module (or every module of this package) of your own "
+                          "experiments before --model or --list_models, e.g. --module=mypkg.experiments.")
 flags.DEFINE_string("logdir", None, "Run directory: params, checkpoints and TensorBoard events.")
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 flags.DEFINE_integer("max_steps", None, "Train up to this global step (overrides train.max_steps).", lower_bound=1)
@@ -84,9 +87,10 @@ def _fail(message: str) -> None:
 def _main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; flags look like --model=KEY")
-    import model_registry
+    from gpipe_tf import model_registry
     from gpipe_tf import experiment
 
+    model_registry.import_modules(FLAGS.module)
     if FLAGS.list_models:
         described = model_registry.describe_models()
         width = max(len(key) for key, _ in described)
@@ -164,19 +168,19 @@ def _inspect(params: Params, overrides: str) -> None:
     """--mode=inspect: the report on stdout; progress lines (what is planned, how long it took) on stderr."""
     import time
 
-    from gpipe_tf import inspect
+    from gpipe_tf import inspection
     from gpipe_tf.training import progress
 
     start = time.perf_counter()
-    pipelines = inspect.find_pipelines(params.task)
+    pipelines = inspection.find_pipelines(params.task)
     if not FLAGS.quiet:
         shape = ", ".join(f"{path}: K={p.num_stages} stages over {len(p.layers)} layers, "
                           + (f"balance={list(p.balance)}" if p.balance else f"balance_by={p.balance_by}")
                           for path, p in pipelines) or "no pipeline"
         print(f"inspecting {params.model} from its Params ({shape}) ...", file=sys.stderr, flush=True)
-    report = inspect.inspect(params, overrides={"gin_file": FLAGS.gin_file, "gin_param": FLAGS.gin_param,
+    report = inspection.inspect(params, overrides={"gin_file": FLAGS.gin_file, "gin_param": FLAGS.gin_param,
                                                 "params": overrides})
-    print(json.dumps(report) if FLAGS.json else inspect.format_report(report), flush=True)
+    print(json.dumps(report) if FLAGS.json else inspection.format_report(report), flush=True)
     if not FLAGS.quiet:
         print(f"inspect done in {progress.format_duration(time.perf_counter() - start)}", file=sys.stderr,
               flush=True)
@@ -238,7 +242,7 @@ def _parse_profile_steps(text: str | None) -> tuple[int, int] | None:
 
 def main(argv: list[str]) -> None:
     """absl entry point: runs the chosen mode; user errors become one line on stderr and exit status 2."""
-    import model_registry
+    from gpipe_tf import model_registry
     from gpipe_tf import errors
     from gpipe_tf.errors import ConfigError, TrainingError
     from gpipe_tf.hyperparams import ParamsError

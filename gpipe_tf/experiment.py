@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import gin
 
-import model_registry
+from gpipe_tf import model_registry
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, Params, parse_overrides
 

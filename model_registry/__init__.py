@@ -1,9 +1,15 @@
-"""The model registry: experiments registered by key `<area>.<module>.<Class>`.
+"""The model registry: experiments registered by a key that says where their code lives.
 
-An experiment class in `params/<area>/<module>.py` registers itself with the `register` decorator; its key comes
-from where it lives, so a user can find the code from the key. Look-ups import `params.<area>.<module>` lazily:
-`get("toy.classifier.BlobsMlp")` imports only that module, and `list_models()` imports every module under
-`params/`.
+An experiment class registers itself with the `register` decorator; its key comes from where it lives, so a user
+can find the code from the key:
+- a built-in experiment in `params/<area>/<module>.py` (installed as the package `gpipe_tf.params`) has the key
+  `<area>.<module>.<Class>`, e.g. `toy.classifier.BlobsMlp`;
+- an experiment in the user's own importable package has its full module path plus its class name, e.g.
+  `mypkg.experiments.MyMlp`: no checkout needs editing to run it.
+
+Look-ups import modules lazily: `get("toy.classifier.BlobsMlp")` imports only that module, `get("mypkg.
+experiments.MyMlp")` imports `mypkg.experiments`, and `list_models()` imports every built-in experiment module
+plus the modules passed to `import_modules` (the trainer's `--module`). Nothing here imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import inspect
 import pkgutil
 from typing import Callable, TypeVar
 
-PARAMS_PACKAGE = "params"
+# The built-in experiments' package: the checkout's `params/` folder, installed under this name (see setup.py).
+PARAMS_PACKAGE = "gpipe_tf.params"
 
 T = TypeVar("T", bound=type)
 
@@ -29,15 +36,25 @@ class RegistryError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+_USER_MODULES: list[str] = []
+
+
 def key_for(cls: type) -> str:
-    """The registry key of `cls`: its module path below `params.` plus its class name."""
+    """The registry key of `cls`: `<area>.<module>.<Class>` below `params/`, else `<module path>.<Class>`."""
     module = cls.__module__
     prefix = PARAMS_PACKAGE + "."
-    if not module.startswith(prefix) or module.count(".") != 2:
+    if module.startswith(prefix):
+        if module.count(".") != prefix.count(".") + 1:
+            raise RegistryError(
+                f"cannot derive a key for {module}.{cls.__qualname__}: built-in experiments live in "
+                f"params/<area>/<module>.py, or pass an explicit key: register(key='area.module.Class')")
+        return f"{module[len(prefix):]}.{cls.__qualname__}"
+    if module in ("__main__", "builtins") or "<" in cls.__qualname__:
         raise RegistryError(
-            f"cannot derive a key for {module}.{cls.__qualname__}: experiments live in "
-            f"params/<area>/<module>.py, or pass an explicit key: register(key='area.module.Class')")
-    return f"{module[len(prefix):]}.{cls.__qualname__}"
+            f"cannot derive a key for {module}.{cls.__qualname__}: define the experiment at the top level of an "
+            f"importable module (its key is then '<module path>.<Class>'), or pass an explicit key: "
+            f"register(key='area.module.Class')")
+    return f"{module}.{cls.__qualname__}"
 
 
 def register(cls: T | None = None, *, key: str | None = None) -> T | Callable[[T], T]:
@@ -60,14 +77,41 @@ def register(cls: T | None = None, *, key: str | None = None) -> T | Callable[[T
     return _register(cls) if cls is not None else _register
 
 
+def _names_module(error: ModuleNotFoundError, name: str) -> bool:
+    """Whether `error` says that `name` itself (or a package above it) is missing, not a module it imports."""
+    return error.name is not None and (name == error.name or name.startswith(error.name + "."))
+
+
+def import_modules(names: list[str]) -> None:
+    """Imports the user's experiment modules (and, for a package, every module below it) so that they register.
+
+    A name that does not import raises RegistryError naming it; an error raised inside the module surfaces as it
+    is. Listed modules are remembered: `list_models` imports them again after the registry was cleared.
+    """
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if not _names_module(e, name):
+                raise
+            raise RegistryError(f"cannot import experiment module {name!r}: no module named {e.name!r}; install the "
+                                f"package that holds it (pip install -e PATH) or fix the name") from None
+        if hasattr(module, "__path__"):
+            for info in pkgutil.walk_packages(module.__path__, prefix=name + "."):
+                importlib.import_module(info.name)
+        if name not in _USER_MODULES:
+            _USER_MODULES.append(name)
+
+
 def _import_all() -> None:
     package = importlib.import_module(PARAMS_PACKAGE)
     for info in pkgutil.walk_packages(package.__path__, prefix=PARAMS_PACKAGE + "."):
         importlib.import_module(info.name)
+    import_modules(list(_USER_MODULES))
 
 
 def list_models() -> list[str]:
-    """All registered keys, sorted; imports every experiment module under `params/`."""
+    """All registered keys, sorted; imports every built-in experiment module and the user modules given before."""
     _import_all()
     return sorted(_REGISTRY)
 
@@ -87,17 +131,23 @@ def describe_models() -> list[tuple[str, str]]:
 def get(key: str) -> type:
     """The experiment class registered under `key`, importing its module if needed.
 
+    A three-part key is first looked up among the built-in experiments (`params/<area>/<module>.py`); any key is
+    also tried as `<importable module>.<Class>`, the key of an experiment in the user's own package.
+
     An unknown key raises RegistryError naming the closest registered keys.
     """
     if key not in _REGISTRY:
-        parts = key.split(".")
-        if len(parts) == 3:
+        module = key.rpartition(".")[0]
+        candidates = ([f"{PARAMS_PACKAGE}.{module}"] if key.count(".") == 2 else []) + ([module] if module else [])
+        for name in candidates:
             try:
-                importlib.import_module(f"{PARAMS_PACKAGE}.{parts[0]}.{parts[1]}")
+                importlib.import_module(name)
             except ModuleNotFoundError as e:
                 # Only a missing experiment module means "unknown key"; a broken import inside it must surface.
-                if not (e.name or "").startswith(PARAMS_PACKAGE):
+                if not _names_module(e, name):
                     raise
+            if key in _REGISTRY:
+                break
     if key not in _REGISTRY:
         keys = list_models()
         close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)

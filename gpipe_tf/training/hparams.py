@@ -64,7 +64,7 @@ def _domain(value: HParamValue) -> hp.Domain:
 
 
 def _pipeline(params: Params) -> Params | None:
-    from gpipe_tf.inspect import find_pipelines  # imports the GPipe layer: only when writing
+    from gpipe_tf.inspection import find_pipelines  # imports the GPipe layer: only when writing
 
     found = find_pipelines(params.task)
     return found[0][1] if found else None

@@ -8,7 +8,7 @@ cells, F filters in the first stack (the TPU reference implementation's rules). 
 
 from __future__ import annotations
 
-import model_registry
+from gpipe_tf import model_registry
 from gpipe_tf.experiment import Experiment
 from gpipe_tf.hyperparams import InstantiableParams, Params
 

@@ -33,9 +33,9 @@ and 5.318B (paper: 282.2M / 785.8M / 5.3B).
 
 from __future__ import annotations
 
-import model_registry
+from gpipe_tf import model_registry
 from gpipe_tf.hyperparams import InstantiableParams
-from params.mt.numbers import NumbersTiny, default_vocab_dir
+from gpipe_tf.params.mt.number_words import NumbersTiny, default_vocab_dir
 
 # Width of every attention head in the multilingual ladder (facts, section 7).
 LADDER_HEAD_DIM = 64

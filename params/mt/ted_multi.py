@@ -11,7 +11,7 @@ texts. Dev and test are TED's validation and test splits (their first `eval_batc
 Data: prepare once where there is internet with `tfds build ted_multi_translate --data_dir=DIR`, copy DIR
 here if needed, and point the experiment at it: `--gin_param="TedMultiBig.data_dir='DIR'"`. Without it the
 inputs fail at once with DatasetNotPreparedError. The vocabulary is trained on first use (minutes) into
-`vocab_dir` (default: a shared cache folder, see params/mt/numbers.py) and reused after that.
+`vocab_dir` (default: a shared cache folder, see params/mt/number_words.py) and reused after that.
 
 WMT: the same model and inputs read a WMT config instead with `--gin_param="TedMultiBig.dataset=
 'wmt14_translate/de-en'"` (German <-> English, tags <2de> and <2en>); see TfdsTranslationInputs.
@@ -19,10 +19,10 @@ WMT: the same model and inputs read a WMT config instead with `--gin_param="TedM
 
 from __future__ import annotations
 
-import model_registry
+from gpipe_tf import model_registry
 from gpipe_tf.hyperparams import InstantiableParams
-from params.mt.gpipe_paper import T6_8192_16
-from params.mt.numbers import default_vocab_dir
+from gpipe_tf.params.mt.gpipe_paper import T6_8192_16
+from gpipe_tf.params.mt.number_words import default_vocab_dir
 
 
 class TfdsTranslationInputs:

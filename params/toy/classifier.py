@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import model_registry
+from gpipe_tf import model_registry
 from gpipe_tf.experiment import Experiment
 from gpipe_tf.hyperparams import InstantiableParams, Params
 

@@ -3,7 +3,7 @@
 import os
 import re
 
-import model_registry
+from gpipe_tf import model_registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

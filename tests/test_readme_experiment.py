@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-import model_registry
+from gpipe_tf import model_registry
 from gpipe_tf import experiment
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller

@@ -1,0 +1,109 @@
+"""Measured timelines: trace events become (stage, micro-batch) cells, and `bench.pipeline --timeline` writes the
+measured picture beside the predicted one with every forward and backward exactly once."""
+
+import collections
+import json
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from bench import measured_timeline
+from gpipe_tf.gpipe import timeline
+from tests.helpers.paths import ROOT
+
+
+def _events(plan):
+    """Events of one worker from (name, op type, duration) in run order, back to back from t=10 s."""
+    events, t = [], 10.0
+    for name, op_type, duration in plan:
+        events.append((t, t + duration, name, op_type))
+        t += duration
+    return events
+
+
+def test_cells_count_runs_of_each_op_in_micro_batch_order():
+    m = 3
+    fwd = "while/body/_1/while/gpipe0_stage0/forward/MatMul"
+    bwd = "while/body/_1/gradient_tape/while/gpipe0_stage0/forward/MatMul/MatMul"
+    plan = [("gradient_tape/while/gpipe0_stage0/sum/accumulator", "AddV2", 0.001)]  # once per step: skipped
+    for i in range(m):
+        plan += [(fwd, "_MklMatMul", 0.01), (bwd + "/Shape", "Shape", 0.001)]  # shape ops run early: ignored
+    for i in range(m):
+        plan += [(bwd, "_MklMatMul", 0.02), ("while/body/_1/Relu/_7", "_Send", 0.001)]
+    events = _events(plan)
+    for order, backward_order in (("one_f_one_b", [0, 1, 2]), ("fill_drain", [2, 1, 0])):
+        cells = measured_timeline.cells_of_step([events], (0.0, 100.0), m, order)
+        forward = sorted((c for c in cells if c.phase == timeline.FORWARD), key=lambda c: c.start)
+        backward = sorted((c for c in cells if c.phase == timeline.BACKWARD), key=lambda c: c.start)
+        assert [c.micro_batch for c in forward] == [0, 1, 2]
+        assert [c.micro_batch for c in backward] == backward_order
+        assert all(c.duration == pytest.approx(0.01) for c in forward)  # the Shape ops did not stretch them
+        assert sum(c.phase == timeline.TRANSFER for c in cells) == m
+
+
+def test_interleaved_chunks_come_from_the_pipeline_stage():
+    plan = []
+    for stage in (1, 3):  # device 1 of K=2 runs pipeline stages 1 and 3: chunks 0 and 1
+        plan += [(f"while/gpipe4_stage{stage}/forward/MatMul", "MatMul", 0.01)] * 2
+        plan += [(f"while/gradient_tape/while/gpipe4_stage{stage}/forward/MatMul/MatMul", "MatMul", 0.01)] * 2
+    cells = measured_timeline.cells_of_step([[], _events(plan)], (0.0, 100.0), 2, "interleaved", 2)
+    assert sorted((c.stage, c.chunk, c.micro_batch, c.phase) for c in cells) == sorted(
+        (1, chunk, i, phase) for chunk in (0, 1) for i in (0, 1) for phase in "FB")
+
+
+def test_an_op_run_neither_once_nor_m_times_is_an_error():
+    events = _events([("while/gpipe0_stage0/forward/MatMul", "MatMul", 0.01)] * 2)
+    with pytest.raises(ValueError, match="ran 2 times in one step on worker 0, expected M=3"):
+        measured_timeline.cells_of_step([events], (0.0, 100.0), 3, "one_f_one_b")
+    with pytest.raises(ValueError, match="unrolled"):
+        measured_timeline.cells_of_step([events], (0.0, 100.0), 2, "unrolled")
+
+
+def test_steps_are_split_at_pauses_and_cut_steps_dropped():
+    worker0 = [(0.0, 0.1, "a", "MatMul"), (1.0, 1.2, "a", "MatMul"), (2.0, 2.1, "a", "MatMul")]
+    worker1 = [(0.15, 0.3, "b", "MatMul"), (1.25, 1.4, "b", "MatMul"), (2.15, 2.2, "b", "MatMul")]
+    assert measured_timeline.split_steps([worker0, worker1], 0.5) == [(1.0, 1.4)]
+
+
+def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
+    """The real thing on two worker processes and a small MLP: a timing-free check of what the files hold."""
+    out = tmp_path / "timelines"
+    run = subprocess.run([sys.executable, "-m", "bench.pipeline", "--timeline", "--workload", "tiny", "--out",
+                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if "measured bubble" in line]
+    assert len(lines) == 3 and all("predicted" in line and "bound" in line for line in lines), run.stdout
+    for schedule, v in (("fill_drain", 1), ("one_f_one_b", 1), ("interleaved", 2)):
+        cells = json.loads((out / f"timeline_{schedule}.json").read_text())["cells"]
+        counted = collections.Counter((c["chunk"] * 2 + c["row"], c["micro_batch"], c["phase"]) for c in cells
+                                      if c["phase"] != "T")
+        expected = {(s, i, phase) for s in range(2 * v) for i in range(4) for phase in "FB"}
+        assert set(counted) == expected and set(counted.values()) == {1}, counted
+        text = (out / f"timeline_{schedule}.txt").read_text()
+        assert text.startswith("predicted: ") and "\n\nmeasured: " in text
+        measured_rows = [row for row in text.split("\n\nmeasured: ")[1].splitlines()[1:] if "|" in row]
+        assert len(measured_rows) == 2
+        for row in measured_rows:
+            cells_text = row.split("|")[1]
+            for i in range(4):  # every micro-batch's forward and backward shows on every row
+                assert f"{i} " in cells_text or f"{i}a" in cells_text, (schedule, row)
+                assert f"{i}'" in cells_text or f"{i}a'" in cells_text or f"{i}b'" in cells_text, (schedule, row)
+        image = tf.io.decode_png((out / f"timeline_{schedule}.png").read_bytes())
+        assert image.shape[0] > 150 and image.shape[1] > 600
+
+
+def test_a_stalled_step_is_skipped_for_a_whole_one(monkeypatch):
+    """On a busy machine a step can stall inside (and look like two): trace_step tries the next step."""
+    op = "while/gpipe0_stage0/forward/MatMul"
+    stalled = [(1.0, 1.1, op, "MatMul"), (2.0, 2.1, op, "MatMul")]  # split by a stall: each part runs it once
+    whole = [(3.0, 3.1, op, "MatMul"), (3.1, 3.2, op, "MatMul")]
+    events = [(0.0, 0.1, op, "MatMul")] + stalled + whole + [(5.0, 5.1, op, "MatMul")]
+    monkeypatch.setattr(measured_timeline, "_trace", lambda *args: [events])
+    got = measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, "one_f_one_b")
+    assert sorted(c.micro_batch for c in got.cells) == [0, 1]
+    assert got.makespan == pytest.approx(0.2)
+    monkeypatch.setattr(measured_timeline, "_trace", lambda *args: [[(0.0, 0.1, op, "MatMul")]])
+    with pytest.raises(RuntimeError, match=r"no whole step in 3 traces .*no complete step"):
+        measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, "one_f_one_b")

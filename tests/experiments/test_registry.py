@@ -1,0 +1,93 @@
+"""Model registry: keys from module paths, lazy look-up, listing, errors."""
+
+import sys
+
+import pytest
+
+from gpipe_tf import model_registry
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    monkeypatch.setattr(model_registry, "_REGISTRY", dict(model_registry._REGISTRY))
+    return model_registry
+
+
+def test_get_imports_the_module_lazily():
+    sys.modules.pop("gpipe_tf.params.toy.classifier", None)
+    model_registry._REGISTRY.pop("toy.classifier.BlobsMlp", None)
+    cls = model_registry.get("toy.classifier.BlobsMlp")
+    assert cls.__name__ == "BlobsMlp" and cls.registry_key == "toy.classifier.BlobsMlp"
+    assert "gpipe_tf.params.toy.classifier" in sys.modules
+
+
+def test_list_models_finds_every_experiment():
+    assert "toy.classifier.BlobsMlp" in model_registry.list_models()
+
+
+def test_unknown_key_suggests_close_keys():
+    with pytest.raises(model_registry.RegistryError, match=r"unknown model 'toy.classifier.BlobMlp'; "
+                                                           r"did you mean 'toy.classifier.BlobsMlp'"):
+        model_registry.get("toy.classifier.BlobMlp")
+    with pytest.raises(model_registry.RegistryError, match="--list_models"):
+        model_registry.get("nothing.like.this")
+
+
+def test_key_comes_from_the_module_under_params(registry):
+    cls = type("Foo", (), {"__module__": "gpipe_tf.params.area.mod"})
+    assert registry.register(cls) is cls
+    assert registry.get("area.mod.Foo") is cls
+
+
+def test_a_module_too_deep_under_params_needs_an_explicit_key(registry):
+    cls = type("Foo", (), {"__module__": "gpipe_tf.params.area.sub.mod"})
+    with pytest.raises(model_registry.RegistryError, match="params/<area>/<module>.py"):
+        registry.register(cls)
+    registry.register(key="x.y.Foo")(cls)
+    assert registry.get("x.y.Foo") is cls
+
+
+def test_class_outside_params_is_keyed_by_its_module_path(registry):
+    cls = type("Foo", (), {"__module__": "somewhere.else"})
+    registry.register(cls)
+    assert cls.registry_key == "somewhere.else.Foo" and registry.get("somewhere.else.Foo") is cls
+    with pytest.raises(model_registry.RegistryError, match="top level of an importable module"):
+        registry.register(type("Bar", (), {"__module__": "__main__"}))
+
+
+def test_a_user_package_registers_without_editing_the_checkout(registry, tmp_path, monkeypatch):
+    package = tmp_path / "userpkg"
+    (package / "experiments").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "experiments" / "__init__.py").write_text("")
+    (package / "experiments" / "mine.py").write_text(
+        "from gpipe_tf import model_registry\n"
+        "from gpipe_tf.params.toy.classifier import BlobsMlp\n\n\n"
+        "@model_registry.register\n"
+        "class Wider(BlobsMlp):\n"
+        "    \"\"\"A wider MLP.\"\"\"\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("userpkg")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(registry, "_USER_MODULES", [])
+    # The key names the module: get() imports it, nothing to declare first.
+    assert registry.get("userpkg.experiments.mine.Wider").__name__ == "Wider"
+    # --module imports a package's modules so that listing shows them beside the built-in ones.
+    registry._REGISTRY.pop("userpkg.experiments.mine.Wider")
+    for name in [m for m in sys.modules if m.startswith("userpkg")]:
+        monkeypatch.delitem(sys.modules, name)
+    registry.import_modules(["userpkg.experiments"])
+    listed = registry.list_models()
+    assert "userpkg.experiments.mine.Wider" in listed and "toy.classifier.BlobsMlp" in listed
+
+
+def test_a_missing_user_module_names_itself(registry, monkeypatch):
+    monkeypatch.setattr(registry, "_USER_MODULES", [])
+    with pytest.raises(model_registry.RegistryError, match="cannot import experiment module 'no_such_pkg.exps'"):
+        registry.import_modules(["no_such_pkg.exps"])
+
+
+def test_duplicate_key_is_an_error(registry):
+    registry.register(key="x.y.Dup")(type("A", (), {}))
+    with pytest.raises(model_registry.RegistryError, match="duplicate model key 'x.y.Dup'"):
+        registry.register(key="x.y.Dup")(type("B", (), {}))

@@ -1,0 +1,240 @@
+"""Every schedule with the loss in the pipeline equals the un-pipelined model: FillDrain, OneForwardOneBackward and
+Interleaved, K in 1..4, M in {1, 2, 4, 8}, both remat policies, float64 and float32, the MLP and the conv stack."""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.interleaved import Interleaved
+from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.schedule_base import PipelineLoss
+from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.layers.sequential import Sequential
+from tests.helpers.pipeline_models import BATCH, DEVICES, conv_layers, count_ops, mlp_layers, placed_ops
+
+DEPTH = 12  # Interleaved v=3 at K=4 needs 12 pipeline stages
+
+
+def schedule_params(name, v=None):
+    if name == "interleaved":
+        return Interleaved.params().set(virtual_stages=v)
+    return name
+
+
+def build(layers, dtype, k=None, m=1, remat="never", schedule="fill_drain"):
+    if k is None:
+        return Sequential.params().set(name="net", dtype=dtype, layers=layers).instantiate()
+    return GPipe.params().set(name="net", dtype=dtype, layers=layers, num_stages=k, num_micro_batches=m, remat=remat,
+                              devices=DEVICES[:k], schedule=schedule).instantiate()
+
+
+def head_fn(head, out, targets, ctx):
+    """A weighted squared error of a projection of every output leaf: sums, as PipelineLoss asks."""
+    y = tf.add_n([tf.reduce_sum(tf.reshape(t, [t.shape[0], -1]) * head[0][:int(np.prod(t.shape[1:]))], -1)
+                  for t in tf.nest.flatten(out)])
+    return {"loss": tf.reduce_sum(targets["w"] * (y - targets["y"]) ** 2), "count": tf.reduce_sum(targets["w"])}
+
+
+def loss_and_grads(layer, x, targets, head, seed=None):
+    """The mean loss and gradients (layer variables, then the head) of one training step."""
+    @tf.function
+    def step(x):
+        ctx = FPropContext(training=True, seed=seed)
+        with tf.GradientTape() as tape:
+            if isinstance(layer, GPipe):
+                normalizer = tf.reduce_sum(targets["w"])
+                loss = PipelineLoss(head_fn, (head,), targets, tf.cast(1.0 / normalizer, tf.float32))
+                sums = layer.fprop_with_loss(layer.theta, x, loss, ctx)
+            else:
+                sums = head_fn([head], layer.fprop(layer.theta, x, ctx), targets, ctx)
+            mean = sums["loss"] / sums["count"]
+        with placement.colocate_gradients():
+            grads = tape.gradient(mean, list(layer.trainable_variables) + [head])
+        return mean, grads
+
+    mean, grads = step(x)
+    return float(mean), [g.numpy() for g in grads]
+
+
+def assert_same(got, ref, rtol, atol):
+    np.testing.assert_allclose(got[0], ref[0], rtol=rtol, atol=atol)
+    assert len(got[1]) == len(ref[1])
+    for i, (a, b) in enumerate(zip(got[1], ref[1])):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"gradient {i}")
+
+
+def data(dtype, size=6, seed=1):
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.normal(size=(BATCH, size)).astype(dtype))
+    targets = {"y": tf.constant(rng.normal(size=(BATCH,)).astype(dtype)),
+               "w": tf.constant(rng.uniform(size=(BATCH,)).astype(dtype))}
+    head = tf.Variable(rng.normal(size=(size,)).astype(dtype))
+    return x, targets, head
+
+
+@pytest.fixture(scope="module")
+def reference():
+    x, targets, head = data("float64")
+    return x, targets, head, loss_and_grads(build(mlp_layers("float64", depth=DEPTH), "float64"), x, targets, head)
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b"])
+@pytest.mark.parametrize("remat", ["never", "always"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_mlp_float64_loss_in_pipeline_equals_unpipelined(reference, k, m, remat, schedule):
+    x, targets, head, ref = reference
+    got = loss_and_grads(build(mlp_layers("float64", depth=DEPTH), "float64", k, m, remat, schedule), x, targets,
+                         head)
+    assert_same(got, ref, rtol=1e-10, atol=1e-12)
+
+
+# M in {1, 2, 4, 8} that K divides (K=3 divides none of them: 3 and 6 instead).
+INTERLEAVED = [(k, m) for k in (1, 2, 4) for m in (1, 2, 4, 8) if m % k == 0] + [(3, 3), (3, 6)]
+
+
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("k,m", INTERLEAVED)
+def test_mlp_float64_interleaved_equals_unpipelined(reference, k, m, v):
+    x, targets, head, ref = reference
+    remat = ["never", "always"][(k + m + v) % 2]  # both policies at every K and v
+    layer = build(mlp_layers("float64", depth=DEPTH), "float64", k, m, remat, schedule_params("interleaved", v))
+    assert layer.plan.num_stages == v * k
+    assert [layer.plan.devices[0][s] for s in range(v * k)] == [DEVICES[s % k] for s in range(v * k)]
+    assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("fill_drain", None)])
+@pytest.mark.parametrize("k,m,remat", [(2, 4, "never"), (4, 8, "always"), (2, 8, "always")])
+def test_mlp_float32_equals_unpipelined(k, m, remat, schedule, v):
+    x, targets, head = data("float32", seed=2)
+    ref = loss_and_grads(build(mlp_layers("float32", depth=DEPTH), "float32"), x, targets, head)
+    got = loss_and_grads(build(mlp_layers("float32", depth=DEPTH), "float32", k, m, remat,
+                               schedule_params(schedule, v)), x, targets, head)
+    assert_same(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2)])
+@pytest.mark.parametrize("k,m,remat", [(1, 1, "never"), (2, 4, "always"), (2, 2, "never"), (3, 3, "always")])
+def test_conv_pair_stack_changes_shape_and_equals_unpipelined(k, m, remat, schedule, v):
+    if schedule == "interleaved" and 2 * k > 5:
+        k = 2  # the stack has 5 layers: at most 2 devices of 2 chunks
+        m = 2 * m if m % 2 else m
+    rng = np.random.default_rng(3)
+    x = (tf.constant(rng.normal(size=(BATCH, 8, 8, 2))), tf.constant(rng.normal(size=(BATCH, 8, 8, 2))))
+    targets = {"y": tf.constant(rng.normal(size=(BATCH,))), "w": tf.constant(rng.uniform(size=(BATCH,)))}
+    head = tf.Variable(rng.normal(size=(2 * 2 * 5,)))
+    ref = loss_and_grads(build(conv_layers("float64"), "float64"), x, targets, head)
+    got = loss_and_grads(build(conv_layers("float64"), "float64", k, m, remat, schedule_params(schedule, v)), x,
+                         targets, head)
+    assert_same(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_is_identical_across_schedules_and_k():
+    x, targets, head = data("float64", seed=4)
+    seed = tf.constant([5, 6], tf.int64)
+    layers = mlp_layers("float64", dropout=0.1, depth=4)
+    base = loss_and_grads(build(layers, "float64", 1, 4, "never", "fill_drain"), x, targets, head, seed)
+    for k, remat, schedule in [(4, "never", "one_f_one_b"), (2, "always", "one_f_one_b"), (4, "always", "fill_drain"),
+                               (2, "never", Interleaved.params().set(virtual_stages=2)),
+                               (4, "always", Interleaved.params().set(virtual_stages=2))]:
+        got = loss_and_grads(build(layers, "float64", k, 4, remat, schedule), x, targets, head, seed)
+        assert_same(got, base, rtol=0, atol=1e-13)
+    no_dropout = loss_and_grads(build(mlp_layers("float64", depth=4), "float64", 1, 4), x, targets, head)
+    assert abs(no_dropout[0] - base[0]) > 1e-6  # dropout really acted
+
+
+def test_input_gradient_reaches_a_layer_before_the_pipeline():
+    x, targets, head = data("float64", seed=5)
+    scale = tf.Variable(np.linspace(0.5, 1.5, 6))
+
+    def run(schedule):
+        layer = build(mlp_layers("float64", depth=4), "float64", 2, 4, "never", schedule)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = PipelineLoss(head_fn, (head,), targets)
+                total = layer.fprop_with_loss(layer.theta, x * scale, loss, FPropContext(training=True))["loss"]
+            with placement.colocate_gradients():
+                return tape.gradient(total, scale)
+        return step().numpy()
+
+    ref = run("fill_drain")
+    assert np.abs(ref).max() > 1e-3
+    np.testing.assert_allclose(run("one_f_one_b"), ref, rtol=1e-10)
+    np.testing.assert_allclose(run(Interleaved.params().set(virtual_stages=2)), ref, rtol=1e-10)
+
+
+def _one_f_one_b_step(m, remat="never", devices=DEVICES[:2]):
+    x, targets, head = data("float32", seed=6)
+    layer = GPipe.params().set(name="net", dtype="float32", layers=mlp_layers("float32", depth=4), num_stages=2,
+                               num_micro_batches=m, remat=remat, devices=devices,
+                               schedule="one_f_one_b").instantiate()
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = PipelineLoss(head_fn, (head,), targets)
+            total = layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]
+        with placement.colocate_gradients():
+            return tape.gradient(total, list(layer.trainable_variables) + [head])
+    return step, x, layer
+
+
+def test_one_f_one_b_graph_does_not_grow_with_m():
+    counts = []
+    for m in (2, 8):
+        step, x, _ = _one_f_one_b_step(m)
+        counts.append(count_ops(step.get_concrete_function(x).graph))
+    assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("remat, matmuls", [("never", {"CPU:1": 5, "CPU:2": 6}), ("always", {"CPU:1": 7, "CPU:2": 8})])
+def test_one_f_one_b_keeps_every_stage_on_its_device(remat, matmuls):
+    """Read from the placed graph: stages on CPU:1 and CPU:2, the loop's control on CPU:0 (this process's CPU).
+    Each stage's forward, recomputation and backward run on its device, the loss on the last stage's; inside the
+    loop only boundary activations and their gradients cross between stages, and no stage sends to CPU:0."""
+    step, x, layer = _one_f_one_b_step(4, remat, devices=[DEVICES[1], DEVICES[2]])
+    ops = placed_ops(step, x, pipeline=layer)
+    matmul_count = collections.Counter(device for device, op, _, _ in ops if op.endswith("MatMul"))
+    # As fill-drain's: forward, recomputation and backward matmuls; stage 0 skips its data input's gradient.
+    assert {d: matmul_count[d] for d in ("CPU:0", "CPU:1", "CPU:2")} == {"CPU:0": 0, **matmuls}
+    crossings = collections.Counter()
+    for device, op, name, node in ops:
+        inside = op == "_Send" and "while" in node.input[0] and not any(tag in node.input[0]
+                                                                        for tag in ("/ctrl/", "/exit/"))
+        if inside:
+            recv = node.attr["recv_device"].s.decode().split("device:")[-1]
+            crossings[(device, recv, tf.as_dtype(node.attr["T"].type).name)] += 1
+    floats = {key for key in crossings if key[2].startswith("float")}
+    assert floats == {("CPU:1", "CPU:2", "float32"), ("CPU:2", "CPU:1", "float32")}, crossings
+    assert [key for key in crossings if key[1] == "CPU:0"] == [], crossings
+
+
+def test_interleaved_errors_name_the_fix():
+    with pytest.raises(ParamsError,
+                       match=r"num_micro_batches=3 is not a multiple of num_stages=2.*OneForwardOneBackward"):
+        build(mlp_layers("float32", depth=8), "float32", 2, 3, "never", Interleaved.params().set(virtual_stages=2))
+    with pytest.raises(ParamsError, match=r"virtual_stages=0 must be a whole number >= 1"):
+        build(mlp_layers("float32", depth=8), "float32", 2, 2, "never", Interleaved.params().set(virtual_stages=0))
+    with pytest.raises(ParamsError, match=r"num_stages=4 x schedule.virtual_stages=3 = 12 pipeline stages.*"
+                                          r"num_stages <= 2"):
+        build(mlp_layers("float32", depth=8), "float32", 4, 4, "never", Interleaved.params().set(virtual_stages=3))
+    with pytest.raises(ParamsError, match=r"num_stages x virtual_stages=4"):
+        GPipe.params().set(name="net", layers=mlp_layers("float32", depth=8), num_stages=2, num_micro_batches=2,
+                           balance=[4, 4], devices=DEVICES[:2], schedule="interleaved").instantiate()
+
+
+def test_loss_without_a_loss_entry_is_an_error():
+    x, targets, head = data("float32", seed=7)
+    layer = build(mlp_layers("float32", depth=4), "float32", 2, 2, "never", "one_f_one_b")
+
+    def bad(h, out, tgt, ctx):
+        return {"total": tf.reduce_sum(out)}
+    with pytest.raises(ValueError, match=r"returned \['total'\]: it must return a 'loss' entry"):
+        layer.fprop_with_loss(layer.theta, x, PipelineLoss(bad, (), {}), FPropContext(training=True))

@@ -40,5 +40,5 @@ setup(
         # TensorBoard's Profile tab for --profile_steps traces; large, so optional.
         "profile": ["tensorboard-plugin-profile>=2.15"],
     },
-    entry_points={"console_scripts": ["gpipe-trainer=trainer:run"]},
+    entry_points={"console_scripts": ["gpipe-trainer=gpipe_tf.trainer_main:run"]},
 )

@@ -1,4 +1,4 @@
-"""gpipe_tf trainer: train, evaluate or inspect a registered experiment.
+"""gpipe_tf trainer: train, evaluate or inspect a registered experiment (`trainer.py` and `gpipe-trainer` run this).
 
   python trainer.py --list_models
   python trainer.py --model=toy.classifier.BlobsMlp --logdir=/tmp/run --max_steps=200
@@ -283,9 +283,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def _show_flags_in_help() -> None:
     """Makes --help list this module's flags under any entry point.
 
-    absl's --help lists the key flags of the module named by sys.argv[0]. Run as `python trainer.py` that is this
-    module; run as the installed console script it is the script wrapper (`.../bin/gpipe-trainer`), which
-    defines no flags, so --help listed none. Declaring this module's flags key flags of sys.argv[0] fixes both.
+    absl's --help lists the key flags of the module named by sys.argv[0]: the launcher `trainer.py`, or the
+    installed console script's wrapper (`.../bin/gpipe-trainer`); neither defines flags, so --help would list none.
+    Declaring this module's flags key flags of sys.argv[0] fixes both.
     """
     own = FLAGS.find_module_defining_flag("model")
     if own != sys.argv[0]:
@@ -294,10 +294,7 @@ def _show_flags_in_help() -> None:
 
 
 def run() -> None:
-    """Console-script entry point (`gpipe-trainer`)."""
+    """The entry point of `trainer.py` and of the console script `gpipe-trainer`."""
     _show_flags_in_help()
     app.run(main, flags_parser=_parse_flags)
 
-
-if __name__ == "__main__":
-    run()

@@ -8,10 +8,10 @@ import sys
 from gpipe_tf import model_registry
 from tests.helpers.paths import ROOT
 
-# What pip writes as bin/gpipe-trainer for `console_scripts: gpipe-trainer=trainer:run` (setup.py).
+# What pip writes as bin/gpipe-trainer for `console_scripts: gpipe-trainer=gpipe_tf.trainer_main:run` (setup.py).
 CONSOLE_SCRIPT = """import re
 import sys
-from trainer import run
+from gpipe_tf.trainer_main import run
 if __name__ == '__main__':
     sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
     sys.exit(run())

@@ -1,0 +1,82 @@
+"""An experiment in the user's own package, installed with `pip install -e` outside the checkout, is listed and
+trained by the installed `gpipe-trainer` without editing the checkout."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+EXPERIMENT = textwrap.dedent('''\
+    """Experiments of a user's own package."""
+
+    from gpipe_tf import model_registry
+    from gpipe_tf.params.toy.classifier import BlobsMlp
+
+
+    @model_registry.register
+    class NarrowMlp(BlobsMlp):
+        """A narrower MLP on the blobs, defined outside gpipe_tf."""
+
+        hidden_dims = (16, 16)
+    ''')
+
+
+def run(*args, cwd, timeout=300):
+    return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+
+
+@pytest.fixture
+def user_package(tmp_path):
+    """`userexp` with `userexp.experiments.mine.NarrowMlp`, installed editable into this interpreter's environment
+    for the test (offline: no build isolation, no dependencies), uninstalled afterwards."""
+    root = tmp_path / "userexp_src"
+    package = root / "userexp" / "experiments"
+    package.mkdir(parents=True)
+    (root / "userexp" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "mine.py").write_text(EXPERIMENT)
+    (root / "pyproject.toml").write_text(textwrap.dedent('''\
+        [build-system]
+        requires = ["setuptools>=64"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "userexp"
+        version = "0.0.1"
+        '''))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--no-index", "-e",
+           str(root)]
+    installed = run(*pip, cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    try:
+        yield tmp_path
+    finally:
+        run(sys.executable, "-m", "pip", "uninstall", "-q", "-y", "userexp", cwd=tmp_path)
+
+
+def test_gpipe_trainer_lists_and_trains_an_experiment_of_a_user_package(user_package):
+    script = os.path.join(os.path.dirname(sys.executable), "gpipe-trainer")
+    key = "userexp.experiments.mine.NarrowMlp"
+    listed = run(script, "--module=userexp.experiments", "--list_models", cwd=user_package)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    lines = listed.stdout.splitlines()
+    assert any(line.startswith(key) and "defined outside gpipe_tf" in line for line in lines), listed.stdout
+    assert any(line.startswith("toy.classifier.BlobsMlp ") for line in lines), listed.stdout
+    logdir = user_package / "run"
+    trained = run(script, f"--model={key}", f"--logdir={logdir}", "--max_steps=3", "--quiet", cwd=user_package)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert (logdir / "checkpoints").is_dir()
+    params_txt = (logdir / "params.txt").read_text()
+    assert f"model : '{key}'" in params_txt and "output_dim : 16" in params_txt, params_txt[:2000]
+
+
+def test_a_key_whose_module_is_not_installed_is_one_line(tmp_path):
+    script = os.path.join(os.path.dirname(sys.executable), "gpipe-trainer")
+    result = run(script, "--module=nowhere_pkg.experiments", "--list_models", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "trainer.py: error: cannot import experiment module 'nowhere_pkg.experiments': no module named "
+        "'nowhere_pkg'; install the package that holds it (pip install -e PATH) or fix the name"], result.stderr

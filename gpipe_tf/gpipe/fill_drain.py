@@ -68,7 +68,7 @@ class FillDrain(Schedule):
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """Runs the job's micro-batches in one placed while loop; see the module doc."""
-        k, m = job.num_stages, job.num_micro_batches
+        k, m = job.num_chunks, job.num_micro_batches
         devices, scopes = job.devices, job.stage_scopes
         aux_spec = job.aux_spec
         flat_aux_spec = tf.nest.flatten(aux_spec)

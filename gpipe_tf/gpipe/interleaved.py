@@ -57,6 +57,6 @@ class Interleaved(OneForwardOneBackward):
         group starts (without it, a device runs its first chunk's forwards ahead, as far as the in-flight bound
         lets it, and the bubble grows: measured 17.4% against 11.1% for the same K=2, M=4 step)."""
         k = job.plan.num_devices
-        v = job.num_stages // k
+        v = job.num_chunks // k
         return {d: (d + (v - 1) * k, k) for d in range(k)} if v > 1 else {}
 

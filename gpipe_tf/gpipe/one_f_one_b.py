@@ -50,7 +50,7 @@ class OneForwardOneBackward(FillDrain):
 
     def in_flight(self, job: PipelineJob) -> list[int]:
         """How many micro-batches each stage may hold at once (its forward done, its backward not): K - k."""
-        k = job.num_stages
+        k = job.num_chunks
         return [k - s for s in range(k)]
 
     def forward_waits(self, job: PipelineJob) -> dict[int, tuple[int, int]]:
@@ -62,7 +62,7 @@ class OneForwardOneBackward(FillDrain):
         """Forward, loss and backward of every micro-batch in one loop; see the module doc."""
         if not job.training:
             return Schedule.run_with_loss(self, job, inputs, loss)
-        k, m = job.num_stages, job.num_micro_batches
+        k, m = job.num_chunks, job.num_micro_batches
         devices, scopes = job.devices, job.stage_scopes
         aux_spec = job.aux_spec
         flat_aux_spec = tf.nest.flatten(aux_spec)

@@ -160,7 +160,7 @@ class GPipe(BaseLayer):
         return self._run_all(theta, inputs, ctx)
 
     def _run_all(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
-        for stage in range(self.plan.num_stages):
+        for stage in range(self.plan.num_chunks):
             inputs = self._run_stage(stage, theta, inputs, ctx)
         return inputs
 

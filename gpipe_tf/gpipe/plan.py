@@ -47,8 +47,8 @@ class StagePlan:
       remat: whether each stage recomputes its forward pass in the backward pass (`remat.stage_uses_remat`).
       devices: ``devices[r][k]``, the device of replica r's stage k; None where the plan was made without
         resolving devices (`--mode=inspect`).
-      virtual_stages: pipeline stages per device (v of the Interleaved schedule, else 1): the plan has
-        v x num_stages stages, and stage s runs on device s mod (num_stages of the Params).
+      virtual_stages: chunks per device (v of the Interleaved schedule, else 1): the plan has num_chunks = v x K
+        chunks (K = num_stages of the Params), and chunk c runs on device c mod K.
     """
 
     balance: tuple[int, ...]
@@ -60,8 +60,9 @@ class StagePlan:
     virtual_stages: int = 1
 
     @property
-    def num_stages(self) -> int:
-        """The number of pipeline stages: K, or v x K with v virtual stages per device."""
+    def num_chunks(self) -> int:
+        """The number of model chunks, v x K: the stages of K devices with v virtual stages each (chunk c runs on
+        device c mod K); equal to K for every schedule but Interleaved."""
         return len(self.balance)
 
     @property
@@ -78,7 +79,7 @@ class StagePlan:
         """The summed layer cost of each stage, or None without costs."""
         if self.layer_costs is None:
             return None
-        return tuple(sum(self.layer_costs[j] for j in self.layer_indices(s)) for s in range(self.num_stages))
+        return tuple(sum(self.layer_costs[j] for j in self.layer_indices(s)) for s in range(self.num_chunks))
 
 
 def micro_batch_spec(p: InstantiableParams, path: str = "") -> tf.TensorSpec:

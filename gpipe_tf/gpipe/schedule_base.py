@@ -92,8 +92,8 @@ class PipelineJob:
     training: bool = False
 
     @property
-    def num_stages(self) -> int:
-        """K."""
+    def num_chunks(self) -> int:
+        """The stages the loop runs: K, or v x K chunks for the Interleaved schedule (`StagePlan.num_chunks`)."""
         return len(self.devices)
 
 

@@ -53,7 +53,7 @@ class Unrolled(Schedule):
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """Runs the job as an unrolled, explicitly placed schedule; see the module doc."""
-        k, m = job.num_stages, job.num_micro_batches
+        k, m = job.num_chunks, job.num_micro_batches
         aux_spec = job.aux_spec
         flat_inputs = float_leaves(inputs)
         flat_theta = [list(ws) for ws in job.stage_weights]

@@ -35,8 +35,8 @@ def predicted_timeline(plan: StagePlan, num_micro_batches: int, schedule: str = 
     pipeline order (chunk c of device d is stage c*K + d), and the timeline has K rows.
     """
     schedule, v = timeline.check_schedule(schedule, virtual_stages)
-    if plan.num_stages % v:
-        raise ParamsError(f"virtual_stages={v} does not divide the plan's {plan.num_stages} stages: an interleaved "
+    if plan.num_chunks % v:
+        raise ParamsError(f"virtual_stages={v} does not divide the plan's {plan.num_chunks} stages: an interleaved "
                           "plan has K * virtual_stages stages; plan K * virtual_stages stages or change "
                           "virtual_stages")
     costs = plan.stage_costs()
@@ -44,7 +44,7 @@ def predicted_timeline(plan: StagePlan, num_micro_batches: int, schedule: str = 
         costs = [max(c, 1e-12) for c in costs]
         total = sum(costs)
         costs = [c / total for c in costs]
-    return timeline.predict(plan.num_stages // v, num_micro_batches, costs, remat=list(plan.remat),
+    return timeline.predict(plan.num_chunks // v, num_micro_batches, costs, remat=list(plan.remat),
                             schedule=schedule, virtual_stages=v)
 
 

@@ -7,7 +7,7 @@ import re
 
 from absl import flags
 
-import trainer
+from gpipe_tf import trainer_main as trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Flags absl itself defines for every program, which a command may pass.

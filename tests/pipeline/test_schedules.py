@@ -103,7 +103,7 @@ def test_mlp_float64_interleaved_equals_unpipelined(reference, k, m, v):
     x, targets, head, ref = reference
     remat = ["never", "always"][(k + m + v) % 2]  # both policies at every K and v
     layer = build(mlp_layers("float64", depth=DEPTH), "float64", k, m, remat, schedule_params("interleaved", v))
-    assert layer.plan.num_stages == v * k
+    assert layer.plan.num_chunks == v * k
     assert [layer.plan.devices[0][s] for s in range(v * k)] == [DEVICES[s % k] for s in range(v * k)]
     assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)
 

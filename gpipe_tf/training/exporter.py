@@ -35,9 +35,16 @@ EXPORT_DIR = "export"
 
 
 def classifier_logits(task: ClassifierTask, inputs: tf.Tensor) -> tf.Tensor:
-    """Inference logits of a classifier: its network (a pipeline's layers in sequence) then its softmax layer."""
+    """Inference logits of a classifier: its network (a pipeline's layers in sequence) then its softmax layer.
+
+    Computed as evaluation computes them (`ClassifierTask.compute_loss`): weights as the forward pass reads them
+    (`fprop_theta`: cast to the compute dtype under mixed precision), floating inputs cast to the compute dtype,
+    logits in the variables' dtype (the softmax layer's rule), so a bfloat16 or float16 model serves the
+    computation it was trained and evaluated with.
+    """
     ctx = FPropContext(training=False)
-    theta = task.theta
+    theta = task.fprop_theta
+    inputs = task.to_fprop_dtype(inputs)
     network = task.network
     if isinstance(network, GPipe):
         features = network.fprop_in_sequence(theta["network"], inputs, ctx)

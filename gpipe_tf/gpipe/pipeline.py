@@ -156,7 +156,13 @@ class GPipe(BaseLayer):
         return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
 
     def fprop_in_sequence(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
-        """The same layers in order on the caller's device: no stages, no micro-batches (export for serving)."""
+        """The same layers in order on the caller's device: no stages, no micro-batches (export for serving).
+
+        As in the pipelined forward, floating inputs are cast to `fprop_dtype` and each layer casts its own weights
+        (`theta` as `fprop_theta` or `theta` gives it: `cast_theta` leaves a pipeline's weights to its stages).
+        """
+        if self.fprop_dtype != self.dtype:  # mixed precision: the first layer gets compute-dtype inputs (`_job`)
+            inputs = self.to_fprop_dtype(inputs)
         return self._run_all(theta, inputs, ctx)
 
     def _run_all(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:

@@ -12,12 +12,16 @@ fprop_in_sequence`): the same layers and weights, so the same outputs up to floa
 micro-batches and no device names in the served graph. Serving then needs neither the training machine's devices
 nor a batch size divisible by M, and the SavedModel loads with `tf.saved_model.load` in any TensorFlow process.
 Translation decoding already runs un-pipelined (`TranslationTask.decode`), exactly as `--mode=decode` does.
+Mixed precision is served as trained: weights cast to the compute dtype, logits in float32.
+
+The SavedModel is written next to its target and renamed onto it (`partial_dir`): an interrupted export leaves no
+half SavedModel, the next export removes the partial directories of killed ones, and a read-only directory or a
+full disk is one ConfigError naming the target and the fix.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Callable
 
 import tensorflow as tf
@@ -29,15 +33,22 @@ from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.tasks.base_task import BaseTask
 from gpipe_tf.tasks.classifier import ClassifierTask
 from gpipe_tf.tasks.translation import TranslationTask
-from gpipe_tf.training import checkpoints
+from gpipe_tf.training import checkpoints, partial_dir
 
 EXPORT_DIR = "export"
 
 
 def classifier_logits(task: ClassifierTask, inputs: tf.Tensor) -> tf.Tensor:
-    """Inference logits of a classifier: its network (a pipeline's layers in sequence) then its softmax layer."""
+    """Inference logits of a classifier: its network (a pipeline's layers in sequence) then its softmax layer.
+
+    Computed as evaluation computes them (`ClassifierTask.compute_loss`): weights as the forward pass reads them
+    (`fprop_theta`: cast to the compute dtype under mixed precision), floating inputs cast to the compute dtype,
+    logits in the variables' dtype (the softmax layer's rule), so a bfloat16 or float16 model serves the
+    computation it was trained and evaluated with.
+    """
     ctx = FPropContext(training=False)
-    theta = task.theta
+    theta = task.fprop_theta
+    inputs = task.to_fprop_dtype(inputs)
     network = task.network
     if isinstance(network, GPipe):
         features = network.fprop_in_sequence(theta["network"], inputs, ctx)
@@ -112,18 +123,25 @@ def export(task: BaseTask, params: Params, logdir: str, log: Callable[[str], Non
     if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
         raise ConfigError(f"{target} already exists; remove it or pass --export_dir=ANOTHER_DIR")
     module, note = serving_module(task, params)
-    # Written next to the target and renamed: an interrupted export never leaves a half SavedModel at `target`.
-    partial = f"{target.rstrip(os.sep)}.partial-{os.getpid()}"
-    try:
-        tf.saved_model.save(module, partial, signatures={"serving_default": module.serve})
-        if os.path.isdir(target):
-            os.rmdir(target)  # empty (checked above)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
+    # Written next to the target and renamed (partial_dir): an interrupted export never leaves a half SavedModel
+    # at `target`, and the next export removes what a killed one left.
+    removed = partial_dir.write_atomically(
+        target, lambda partial: tf.saved_model.save(module, partial, signatures={"serving_default": module.serve}),
+        fix=f"free disk space or make {_existing_ancestor(target)} writable, or pass "
+            "--export_dir=A_WRITABLE_DIRECTORY",
+        clean_parent=export_dir is None)  # logdir/export holds only exports
+    if removed:
+        log(f"removed {len(removed)} partial export(s) of processes that ended: {', '.join(removed)}")
     log(f"exported {path} (step {step}) to {target}: serving_default {_shapes(module.serve)} ({note})")
     return target
+
+
+def _existing_ancestor(path: str) -> str:
+    """The nearest directory above `path` that exists: the one whose permissions decide whether it can be made."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent
 
 
 def _shapes(function: tf.types.experimental.PolymorphicFunction) -> str:

@@ -29,6 +29,11 @@ _SCALARS = (type(None), bool, int, str, bytes)
 class ParamsError(ValueError):
     """Bad Params use: unknown name, frozen tree, bad override value or type."""
 
+    # Raised while tf.function traces user code (a batch that M does not divide, found only when the step is
+    # traced), TensorFlow's autograph would re-raise it as a StagingError with a multi-line message; this
+    # attribute (autograph's own opt-out) lets it through as itself, so callers catching ParamsError see it.
+    ag_pass_through = True
+
 
 class UnknownParamError(ParamsError, AttributeError):
     """A name that is not defined; an AttributeError too, so `hasattr` and `getattr(p, n, d)` keep working."""

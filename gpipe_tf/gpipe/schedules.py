@@ -21,11 +21,22 @@ def schedule_params(value: Any, path: str = "") -> InstantiableParams:
     """The schedule Params a GPipe `schedule` field stands for: Params of a `Schedule` class, or a short name."""
     if isinstance(value, str) and value in SCHEDULES:
         return SCHEDULES[value].params()
+    if isinstance(value, str):
+        raise ParamsError(f"{path}.schedule={value!r} is not a schedule name: use one of {', '.join(SCHEDULES)} "
+                          "(or a schedule class path, e.g. gpipe_tf.gpipe.interleaved.Interleaved)")
     if isinstance(value, InstantiableParams) and isinstance(value.cls, type) and issubclass(value.cls, Schedule):
         return value
     raise ParamsError(f"{path}.schedule={value!r} is not a schedule: use Params of a Schedule class, e.g. "
                       "FillDrain.params(), OneForwardOneBackward.params(), Interleaved.params().set(virtual_stages=2) "
                       f"or Unrolled.params(), or one of the names {tuple(SCHEDULES)}")
+
+
+def schedule_name(value: Any, path: str = "") -> str:
+    """The one name a run's schedule is shown by (console, HParams): its class, with v for Interleaved, e.g.
+    'FillDrain' or 'Interleaved(virtual_stages=3)'."""
+    p = schedule_params(value, path)
+    name = p.cls.__name__
+    return f"{name}(virtual_stages={p.virtual_stages})" if issubclass(p.cls, Interleaved) else name
 
 
 def virtual_stages(value: Any, path: str = "") -> int:

@@ -68,8 +68,8 @@ def test_a_bad_schedule_name_or_class_is_one_line_naming_the_choices():
 @pytest.mark.parametrize("name", sorted(PATHS))
 def test_the_experiment_knob_takes_every_name_through_gin(name):
     assert _schedule(bindings=[f"BlobsMlpGPipe.schedule='{name}'"]) == CLASSES[name].params()
-    assert (_schedule(bindings=[f"NumbersTiny.schedule='{name}'", "NumbersTiny.num_stages=2"], key="mt.numbers.NumbersTiny")
-            == CLASSES[name].params())
+    numbers = [f"NumbersTiny.schedule='{name}'", "NumbersTiny.num_stages=2"]
+    assert _schedule(bindings=numbers, key="mt.numbers.NumbersTiny") == CLASSES[name].params()
 
 
 def test_a_schedule_knob_without_a_pipeline_is_refused():

@@ -116,3 +116,19 @@ def test_a_trainer_run_shows_the_schedule_that_ran_in_hparams_params_txt_and_con
     values = _session_hparams(logdir)
     assert values["pipeline.schedule"] == "Interleaved(virtual_stages=3)"
     assert [name for name in values if "schedule" in name] == ["pipeline.schedule"]
+
+
+@pytest.mark.parametrize("before, after", [("fill_drain", "unrolled"), ("unrolled", "interleaved"),
+                                           ("interleaved", "one_f_one_b")])
+def test_a_run_may_resume_with_another_schedule_whose_fields_differ(tmp_path, before, after):
+    # Switching gives the new class's own fields (Unrolled has no parallel_iterations, Interleaved adds
+    # virtual_stages): fields only one side has are as math-neutral as the schedule itself.
+    from gpipe_tf.training import logdir as logdir_lib
+
+    logdir = str(tmp_path / "run")
+    os.makedirs(os.path.join(logdir, "checkpoints"))
+    open(os.path.join(logdir, "checkpoints", "ckpt-4.index"), "w").close()
+    old = experiment.resolve(KEY, overrides=f"task.network.schedule={before}").params
+    logdir_lib.write_params(logdir, old)
+    logdir_lib.check_compatible(logdir, experiment.resolve(KEY, overrides=f"task.network.schedule={after}").params,
+                                training=True)

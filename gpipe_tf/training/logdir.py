@@ -46,7 +46,8 @@ def check_writable(logdir: str, what: str = "--logdir") -> None:
 
 def _is_math_neutral(diff_line: str) -> bool:
     """Whether a Params.diff line ('a.b.c: x -> y') is about a MATH_NEUTRAL_FIELDS field."""
-    path = diff_line.split(": ", 1)[0].removeprefix("only in self").removeprefix("only in other").strip(": ")
+    only = next((p for p in ("only in self: ", "only in other: ") if diff_line.startswith(p)), None)
+    path = diff_line[len(only):] if only else diff_line.split(": ", 1)[0]
     # Any component: a nested pipeline field (task.network.schedule.parallel_iterations) is as neutral as it.
     return any(part.split("[", 1)[0] in MATH_NEUTRAL_FIELDS for part in path.split("."))
 

@@ -21,9 +21,6 @@ def schedule_params(value: Any, path: str = "") -> InstantiableParams:
     """The schedule Params a GPipe `schedule` field stands for: Params of a `Schedule` class, or a short name."""
     if isinstance(value, str) and value in SCHEDULES:
         return SCHEDULES[value].params()
-    if isinstance(value, str):
-        raise ParamsError(f"{path}.schedule={value!r} is not a schedule name: use one of {', '.join(SCHEDULES)} "
-                          "(or a schedule class path, e.g. gpipe_tf.gpipe.interleaved.Interleaved)")
     if isinstance(value, InstantiableParams) and isinstance(value.cls, type) and issubclass(value.cls, Schedule):
         return value
     raise ParamsError(f"{path}.schedule={value!r} is not a schedule: use Params of a Schedule class, e.g. "

@@ -4,6 +4,8 @@
 class ConfigError(ValueError):
     """A bad experiment configuration, flag or logdir."""
 
+    ag_pass_through = True  # raised while tf.function traces, it stays a ConfigError (see ParamsError)
+
 
 class TrainingError(RuntimeError):
     """Training stopped on a failure no setting undoes by itself (NaN loss, a checkpoint that cannot be written)."""

@@ -16,6 +16,7 @@ import copy as _copy
 import difflib
 import functools
 import importlib
+import inspect
 import keyword
 import math
 import types
@@ -28,6 +29,11 @@ _SCALARS = (type(None), bool, int, str, bytes)
 
 class ParamsError(ValueError):
     """Bad Params use: unknown name, frozen tree, bad override value or type."""
+
+    # Raised while tf.function traces user code (a batch that M does not divide, found only when the step is
+    # traced), TensorFlow's autograph would re-raise it as a StagingError with a multi-line message; this
+    # attribute (autograph's own opt-out) lets it through as itself, so callers catching ParamsError see it.
+    ag_pass_through = True
 
 
 class UnknownParamError(ParamsError, AttributeError):
@@ -637,6 +643,11 @@ class Params:
         parent, name, prefix = self._locate(dotted)
         key, text, current = prefix + name, text_value.strip(), parent._values[name]
         parent._check_mutable(key)
+        if isinstance(current, InstantiableParams):
+            # A class path or a name the current class knows: the node becomes that class's default Params, whose
+            # fields the same override string may set after it.
+            parent._values[name] = _replacement_node(current, text, key)
+            return self
         if isinstance(current, Params):
             raise ParamsError(f"{key}: cannot set {text!r} (it is a nested {type(current).__name__}; "
                               f"override its fields, e.g. {key}.<field>=...)")
@@ -658,8 +669,50 @@ class Params:
             if not parsed or not accepts(value):
                 raise ParamsError(f"{key}: cannot set {text!r} (expected {kind}, e.g. {key}={example})")
             value = convert(value) if convert else value
+        if name == "cls" and isinstance(parent, InstantiableParams) and value is not current:
+            defaults = _default_params(value)
+            if defaults is not None:
+                # Another class's fields are not this one's: keeping FillDrain's fields under Interleaved would
+                # refuse 'virtual_stages' and keep 'parallel_iterations' it does not honour.
+                parent._values, parent._docs = defaults._values, defaults._docs
+                return self
         parent._values[name] = value
         return self
+
+
+def _default_params(cls: Any) -> InstantiableParams | None:
+    """`cls.params()` when `cls` is a class whose `params()` classmethod gives its own InstantiableParams, else None."""
+    if not isinstance(cls, type) or not isinstance(inspect.getattr_static(cls, "params", None), classmethod):
+        return None
+    defaults = cls.params()
+    return defaults if isinstance(defaults, InstantiableParams) and defaults.cls is cls else None
+
+
+def _replacement_node(current: InstantiableParams, text: str, key: str) -> InstantiableParams:
+    """The node an override `key=text` puts in place of `current`: a class path gives that class's default
+    Params; another word is looked up by `current.cls.named_params(word)` (e.g. a schedule's short name)."""
+    word = text.strip()
+    if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"":
+        word = word[1:-1]
+    if "." in word:
+        try:
+            cls = _resolve_dotted(word)
+        except ParamsError as e:
+            raise ParamsError(f"{key}={text}: {e}") from None
+        defaults = _default_params(cls)
+        if defaults is None:
+            raise ParamsError(f"{key}={text}: {word} has no params() classmethod giving its default Params; "
+                              f"set {key}.cls={word} to change only the class")
+        return defaults
+    by_name = getattr(current.cls, "named_params", None)
+    if not word.isidentifier() or by_name is None:
+        raise ParamsError(f"{key}: cannot set {text!r} (it is a nested {type(current).__name__} of "
+                          f"{getattr(current.cls, '__name__', current.cls)}; give a class path, e.g. "
+                          f"{key}=some.module.SomeClass, or override its fields, e.g. {key}.<field>=...)")
+    try:
+        return by_name(word)
+    except ParamsError as e:
+        raise ParamsError(f"{key}={text}: {e}") from None
 
 
 class InstantiableParams(Params):

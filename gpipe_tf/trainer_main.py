@@ -145,6 +145,9 @@ def _main(argv: list[str]) -> None:
         controller.restore()  # raises, having written nothing, if checkpoints exist and none restores
         if layout.is_chief:
             _LOCKS[-1].record_holder()
+            # Before params.txt is replaced: it holds the M the checkpoints were trained with.
+            for warning in logdir_lib.resume_warnings(FLAGS.logdir, params, controller.task):
+                _print(warning)
             logdir_lib.write_params(FLAGS.logdir, params)
             logdir_lib.write_text(FLAGS.logdir, "operative_config.gin", gin_config)
         controller.train(evaluate_every=params.train.eval_interval_steps if FLAGS.mode == "train_and_eval" else None)

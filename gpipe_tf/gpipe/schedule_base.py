@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from gpipe_tf.gpipe.plan import StagePlan
-from gpipe_tf.hyperparams import InstantiableParams
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
 
 # run_stage(stage, weights, inputs, ctx) -> outputs: stage `stage`'s layers on one micro-batch.
@@ -128,6 +128,17 @@ class Schedule:
     def params(cls) -> InstantiableParams:
         """Default Params; subclasses define their knobs."""
         return InstantiableParams(cls)
+
+    @classmethod
+    def named_params(cls, name: str) -> InstantiableParams:
+        """The default Params of the schedule a short name stands for (`schedules.SCHEDULES`): what an override
+        such as `task.network.schedule=interleaved` sets."""
+        from gpipe_tf.gpipe import schedules  # lazy: that module imports every schedule, this one among them
+
+        if name not in schedules.SCHEDULES:
+            raise ParamsError(f"unknown schedule name {name!r}: use one of {', '.join(schedules.SCHEDULES)}, or a "
+                              "schedule class path, e.g. gpipe_tf.gpipe.interleaved.Interleaved")
+        return schedules.SCHEDULES[name].params()
 
     def __init__(self, params: InstantiableParams, path: str = "") -> None:
         self.p = params.copy().freeze()

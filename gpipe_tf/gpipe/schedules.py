@@ -28,6 +28,14 @@ def schedule_params(value: Any, path: str = "") -> InstantiableParams:
                       f"or Unrolled.params(), or one of the names {tuple(SCHEDULES)}")
 
 
+def schedule_name(value: Any, path: str = "") -> str:
+    """The one name a run's schedule is shown by (console, HParams): its class, with v for Interleaved, e.g.
+    'FillDrain' or 'Interleaved(virtual_stages=3)'."""
+    p = schedule_params(value, path)
+    name = p.cls.__name__
+    return f"{name}(virtual_stages={p.virtual_stages})" if issubclass(p.cls, Interleaved) else name
+
+
 def virtual_stages(value: Any, path: str = "") -> int:
     """Pipeline stages per device of the schedule a `schedule` field stands for: v for Interleaved, else 1."""
     p = schedule_params(value, path)

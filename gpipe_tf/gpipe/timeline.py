@@ -78,6 +78,14 @@ _MAX_PIXELS = 64 * 1024 * 1024
 # summary image TensorBoard shows at once); text sizes in pixels; the margin between parts.
 _TARGET_WIDTH = 1200
 _AUTO_MAX_PIXELS = 16 * 1024 * 1024
+# A predicted picture drawn at the default cell size is never wider than this: TensorBoard shows an image at
+# about this width, so a longer grid wraps into bands of rows, one below the other, each holding the next
+# columns (measured: an interleaved K=4 M=16 v=4 grid drawn in one band was 4368 px wide). Its default tick is
+# coarsened so that it has at most _MAX_WRAPPED_COLUMNS columns (a few bands), a cell shorter than the tick
+# still taking one column of its own (`_show_hidden_cells`).
+_MAX_PICTURE_WIDTH = 1300
+_MAX_WRAPPED_COLUMNS = 400
+_HIDDEN_CELL_REACH = 2
 _TITLE_PX = 20
 _LABEL_PX = 16
 _PAD = 10
@@ -494,12 +502,13 @@ def _drawing_priority(cell: Cell) -> tuple[bool, float]:
     return cell.phase != TRANSFER, cell.start
 
 
-def _grid(timeline: Timeline, tick: float, columns: int) -> list[list[Cell | None]]:
+def _grid(timeline: Timeline, tick: float, columns: int, show_hidden: bool = False) -> list[list[Cell | None]]:
     """grid[row][column]: the cell running at the middle of that column, or None when the row is idle.
 
     Sampling the midpoint shows every cell at least once when tick <= its duration, since any interval of one
-    tick's length holds exactly one midpoint. Measured cells of a row may overlap, so one may hide another; a
-    forward or backward left without a column then takes one it overlaps (`_show_hidden_cells`).
+    tick's length holds exactly one midpoint. Measured cells of a row may overlap, so one may hide another, and a
+    coarse tick (`show_hidden`) skips short cells; a forward or backward left without a column then takes one it
+    overlaps (`_show_hidden_cells`).
     """
     rows: list[list[Cell | None]] = []
     for k in range(timeline.num_stages):
@@ -514,7 +523,7 @@ def _grid(timeline: Timeline, tick: float, columns: int) -> list[list[Cell | Non
                 pos += 1
             running = [c for c in running if c.end > mid]
             row.append(max(running, key=_drawing_priority) if running else None)
-        if timeline.is_measured:
+        if timeline.is_measured or show_hidden:
             _show_hidden_cells(row, stage_cells, tick)
         rows.append(row)
     return rows
@@ -522,15 +531,21 @@ def _grid(timeline: Timeline, tick: float, columns: int) -> list[list[Cell | Non
 
 def _show_hidden_cells(row: list[Cell | None], cells: list[Cell], tick: float) -> None:
     """Gives each forward or backward of `cells` that `row` does not show one column it overlaps, taken from an
-    idle column, a transfer or a cell that `row` shows in other columns too (the one nearest the cell's middle)."""
+    idle column, a transfer or a cell that `row` shows in other columns too (the one nearest the cell's middle).
+    Where every column it overlaps is taken (two cells far shorter than a tick at one instant), the nearest such
+    column up to _HIDDEN_CELL_REACH columns away."""
     shown = collections.Counter(id(c) for c in row if c is not None)
     for cell in cells:
         if cell.phase == TRANSFER or shown[id(cell)]:
             continue
         first = min(len(row) - 1, int(cell.start // tick))
         last = max(first, min(len(row) - 1, math.ceil(cell.end / tick) - 1))
-        free = [j for j in range(first, last + 1)
-                if row[j] is None or row[j].phase == TRANSFER or shown[id(row[j])] > 1]
+        free: list[int] = []
+        for reach in range(_HIDDEN_CELL_REACH + 1):
+            free = [j for j in range(max(0, first - reach), min(len(row), last + reach + 1))
+                    if row[j] is None or row[j].phase == TRANSFER or shown[id(row[j])] > 1]
+            if free:
+                break
         if free:
             j = min(free, key=lambda j: abs((j + 0.5) * tick - (cell.start + cell.end) / 2))
             if row[j] is not None:
@@ -689,17 +704,19 @@ def _auto_cell_px(num_stages: int, columns: int) -> int:
     return cell_px
 
 
-def _grid_picture(timeline: Timeline, cell_px: int, tick: float, columns: int) -> np.ndarray:
-    """The cells alone as a uint8 [K * cell_px + 1, columns * cell_px + 1, 3] array, grid lines included."""
+def _grid_picture(timeline: Timeline, cell_px: int, rows: list[list[Cell | None]]) -> np.ndarray:
+    """The cells of `rows` (a `_grid`, or some of its columns) alone as a uint8
+    [K * cell_px + 1, columns * cell_px + 1, 3] array, grid lines included."""
     # About 60% of the row height for digits: readable, with room left for the grid and margins.
     max_scale = max(1, (cell_px * 3 // 5) // 5)
+    columns = len(rows[0])
     height = timeline.num_stages * cell_px + 1
     width = columns * cell_px + 1
     image = np.empty((height, width, 3), dtype=np.uint8)
     image[:] = IDLE_COLOR
     image[::cell_px, :] = GRID_COLOR
     image[:, ::cell_px] = GRID_COLOR
-    for k, row in enumerate(_grid(timeline, tick, columns)):
+    for k, row in enumerate(rows):
         top = k * cell_px
         j = 0
         while j < columns:
@@ -721,7 +738,9 @@ def _grid_picture(timeline: Timeline, cell_px: int, tick: float, columns: int) -
 
 @dataclasses.dataclass(frozen=True)
 class PictureLayout:
-    """Where render_png puts things: the grid's top-left pixel, its cell size and column count, the image size."""
+    """Where render_png puts things: the grid's top-left pixel, its cell size and column count, the image size;
+    for a grid wrapped into bands, their number, the columns each holds (the last may hold fewer) and the pixels
+    from one band's top to the next; and the time one column stands for."""
 
     cell_px: int
     columns: int
@@ -729,6 +748,10 @@ class PictureLayout:
     grid_left: int
     height: int
     width: int
+    bands: int = 1
+    band_columns: int = 0
+    band_step: int = 0
+    tick: float = 0.0
 
 
 def _font(size: int):
@@ -797,15 +820,6 @@ def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[n
 
     if cell_px is not None:
         cell_px = _check_cell_px(cell_px)
-    grids = []
-    for timeline, _ in panels:
-        tick, columns = _resolve_tick(timeline, None)
-        px = _auto_cell_px(timeline.num_stages, columns) if cell_px is None else cell_px
-        grid_h, grid_w = timeline.num_stages * px + 1, columns * px + 1
-        if grid_h * grid_w > _MAX_PIXELS:
-            raise ParamsError(f"cell_px={px} would draw a {grid_w}x{grid_h} grid (more than {_MAX_PIXELS} "
-                              "pixels): use a smaller cell_px")
-        grids.append((tick, columns, px, grid_h, grid_w))
     title_font, label_font = _font(_TITLE_PX), _font(_LABEL_PX)
     scratch = ImageDraw.Draw(Image.new("RGB", (1, 1)))
 
@@ -815,6 +829,23 @@ def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[n
 
     axis_w = max(max(size(_row_word(t), label_font)[0], max(size(str(k), label_font)[0] for k in range(t.num_stages)))
                  for t, _ in panels) + 2 * _PAD
+    grids = []
+    for timeline, _ in panels:
+        tick, columns = _resolve_tick(timeline, None)
+        # Measured pictures (and an explicit cell_px) keep one band: their millisecond axis runs under it.
+        wrap = cell_px is None and not timeline.is_measured
+        if wrap and columns > _MAX_WRAPPED_COLUMNS:
+            tick = timeline.makespan / _MAX_WRAPPED_COLUMNS
+            columns = max(1, math.ceil(timeline.makespan / tick - 1e-9))
+        px = _auto_cell_px(timeline.num_stages, columns) if cell_px is None else cell_px
+        band_h = timeline.num_stages * px + 1
+        bands = math.ceil(columns * px / max(px, _MAX_PICTURE_WIDTH - axis_w - _PAD - 1)) if wrap else 1
+        band_columns = math.ceil(columns / bands)
+        grid_h, grid_w = bands * band_h + (bands - 1) * _PAD, band_columns * px + 1
+        if grid_h * grid_w > _MAX_PIXELS:
+            raise ParamsError(f"cell_px={px} would draw a {grid_w}x{grid_h} grid (more than {_MAX_PIXELS} "
+                              "pixels): use a smaller cell_px")
+        grids.append((tick, columns, px, grid_h, grid_w, bands, band_columns))
     legend = _legend([t for t, _ in panels])
     swatch = _LABEL_PX
     legend_w = sum(len(colors) * swatch + _PAD + size(text, label_font)[0] + 3 * _PAD for colors, text in legend)
@@ -822,7 +853,7 @@ def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[n
     grid_left = axis_w
     # Rows of each panel: title, row-axis heading, grid, millisecond labels (measured only), time axis.
     tops, y, width = [], 0, _PAD + legend_w
-    for (timeline, heading), (tick, columns, px, grid_h, grid_w) in zip(panels, grids):
+    for (timeline, heading), (tick, columns, px, grid_h, grid_w, _, _) in zip(panels, grids):
         grid_top = y + _PAD + size(heading, title_font)[1] + _PAD + label_h + _PAD // 2
         time_top = grid_top + grid_h + _PAD // 2
         if timeline.is_measured:
@@ -836,15 +867,20 @@ def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[n
     canvas = Image.new("RGB", (width, height), IDLE_COLOR)
     draw = ImageDraw.Draw(canvas)
     layouts = []
-    for (timeline, heading), (tick, columns, px, grid_h, grid_w), (top, grid_top, time_top) in zip(panels, grids,
-                                                                                                    tops):
-        canvas.paste(Image.fromarray(_grid_picture(timeline, px, tick, columns)), (grid_left, grid_top))
+    for (timeline, heading), grid, (top, grid_top, time_top) in zip(panels, grids, tops):
+        tick, columns, px, grid_h, grid_w, bands, band_columns = grid
+        rows = _grid(timeline, tick, columns, show_hidden=True)
+        band_step = timeline.num_stages * px + 1 + _PAD
+        for b in range(bands):
+            band_top = grid_top + b * band_step
+            part = [row[b * band_columns:(b + 1) * band_columns] for row in rows]
+            canvas.paste(Image.fromarray(_grid_picture(timeline, px, part)), (grid_left, band_top))
+            for k in range(timeline.num_stages):
+                w, h = size(str(k), label_font)
+                draw.text((grid_left - _PAD - w, band_top + k * px + (px - h) // 2), str(k), fill=TEXT_COLOR,
+                          font=label_font)
         draw.text((_PAD, top + _PAD), heading, fill=TEXT_COLOR, font=title_font)
         draw.text((_PAD, grid_top - label_h - _PAD // 2), _row_word(timeline), fill=TEXT_COLOR, font=label_font)
-        for k in range(timeline.num_stages):
-            w, h = size(str(k), label_font)
-            draw.text((grid_left - _PAD - w, grid_top + k * px + (px - h) // 2), str(k), fill=TEXT_COLOR,
-                      font=label_font)
         if timeline.is_measured:
             _draw_milliseconds(draw, size, label_font, timeline, tick, columns, px, grid_left, grid_top + grid_h,
                                width)
@@ -853,7 +889,8 @@ def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[n
             axis = f"time ->   (1 column = {tick:.3g} forward-cost units)"
         draw.text((grid_left, time_top), axis, fill=TEXT_COLOR, font=label_font)
         layouts.append(PictureLayout(cell_px=px, columns=columns, grid_top=grid_top, grid_left=grid_left,
-                                     height=height, width=width))
+                                     height=height, width=width, bands=bands, band_columns=band_columns,
+                                     band_step=band_step, tick=tick))
     x = _PAD
     for colors, text in legend:
         for j, color in enumerate(colors):

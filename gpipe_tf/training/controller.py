@@ -29,7 +29,7 @@ from gpipe_tf.hyperparams import Params
 from gpipe_tf.training import checkpoints, hparams, init_from, pipeline_report, progress
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.evaluator import Evaluator
-from gpipe_tf.training.learner import Learner
+from gpipe_tf.training.learner import Learner, describe_precision
 from gpipe_tf.training.replicas import ReplicaLayout, replica_home_devices
 from gpipe_tf.training.summaries import SummaryWriter
 
@@ -220,9 +220,10 @@ class Controller:
             writer.text(0, "params", self.params.to_text())
         for warning in pipeline_report.shared_device_warnings(self.task):
             self.log(warning)
+        self.progress(describe_precision(self.learner.precision))
         if self.layout.is_chief:
             pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
-            hparams.write_session(self.logdir, hparams.hparams_of(self.params, self.knobs),
+            hparams.write_session(self.logdir, hparams.hparams_of(self.params, self.knobs, self.learner.precision),
                                   hparams.metric_tags(self.params, self.learner.task_metric_names))
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:

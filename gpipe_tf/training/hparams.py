@@ -70,20 +70,29 @@ def _pipeline(params: Params) -> Params | None:
     return found[0][1] if found else None
 
 
-def hparams_of(params: Params, knobs: Mapping[str, Any]) -> dict[str, HParamValue]:
+def hparams_of(params: Params, knobs: Mapping[str, Any],
+               precision: Mapping[str, str] | None = None) -> dict[str, HParamValue]:
     """The hparams of a run: the model key, every experiment knob, and the training and pipeline settings that
-    shape a run (learning rate, steps, batch size, optimizer, replicas; K, M, remat, schedule, balance_by)."""
+    shape a run (learning rate, steps, batch size, optimizer, replicas; K, M, remat, schedule, balance_by), and its
+    `precision` (`Learner.precision`: compute dtype and loss scaling) when given.
+
+    The schedule has one column, `pipeline.schedule`, naming the schedule that ran: an experiment's `schedule`
+    knob says only what the experiment asked for, and --params may have replaced it."""
     values: dict[str, Any] = {"model": params.model}
     values.update(knobs)
+    if precision is not None:
+        values.update({f"precision.{name}": value for name, value in precision.items()})
     train = params.train
     values.update({"train.learning_rate": train.learning_rate, "train.max_steps": train.max_steps,
                    "train.optimizer": train.optimizer.cls, "train.num_replicas": train.num_replicas,
                    "input.train.batch_size": params.input.train.batch_size})
     pipe = _pipeline(params)
     if pipe is not None:
-        schedule = pipe.schedule.cls if isinstance(pipe.schedule, Params) else pipe.schedule
+        from gpipe_tf.gpipe.schedules import schedule_name
+
+        values.pop("schedule", None)
         values.update({"pipeline.num_stages": pipe.num_stages, "pipeline.num_micro_batches": pipe.num_micro_batches,
-                       "pipeline.remat": pipe.remat, "pipeline.schedule": schedule,
+                       "pipeline.remat": pipe.remat, "pipeline.schedule": schedule_name(pipe.schedule),
                        "pipeline.balance_by": "explicit" if pipe.balance is not None else pipe.balance_by})
     return {name: _value(value) for name, value in values.items()}
 

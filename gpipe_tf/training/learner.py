@@ -6,7 +6,7 @@ This is the step logic only; when to run it, checkpoint and summarize is the con
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -66,6 +66,25 @@ def check_training_params(tp: Params) -> None:
     loss_scale_lib.check_loss_scale_params(tp.loss_scale)
 
 
+def precision_of(layers: Sequence[BaseLayer], loss_scale_method: str, loss_scale: Params) -> dict[str, str]:
+    """What a step computes in, by name: the variables' dtypes, the forward pass's dtypes (`fprop_dtype`, several
+    joined by '+') and the loss scaling in effect ('none', 'fixed 32768' or 'dynamic from 32768')."""
+    def names(dtypes: set[tf.DType]) -> str:
+        return "+".join(sorted(d.name for d in dtypes)) or "none"
+
+    scale = f"{loss_scale.initial_scale:g}"
+    scaling = {"none": "none", "fixed": f"fixed {scale}", "dynamic": f"dynamic from {scale}"}[loss_scale_method]
+    return {"weight_dtype": names({m.dtype for m in layers}), "compute_dtype": names({m.fprop_dtype for m in layers}),
+            "loss_scale": scaling}
+
+
+def describe_precision(precision: Mapping[str, str]) -> str:
+    """The console line naming a run's precision, e.g. 'precision: weights float32, compute bfloat16, loss
+    scaling none'."""
+    return (f"precision: weights {precision['weight_dtype']}, compute {precision['compute_dtype']}, "
+            f"loss scaling {precision['loss_scale']}")
+
+
 class Learner(tf.Module):
     """Owns the global step, optimizer and schedule for one task; `train_step` is one `tf.function` step."""
 
@@ -83,6 +102,7 @@ class Learner(tf.Module):
         self._stat_layers = [m for m in layers if type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
         self._stepped_layers = [m for m in layers if type(m).set_training_step is not BaseLayer.set_training_step]
         method = loss_scale_lib.resolve_method(train_params.loss_scale, {m.fprop_dtype for m in layers})
+        self.precision = precision_of(layers, method, train_params.loss_scale)
         self.loss_scale = (None if method == "none" else
                            loss_scale_lib.LossScale(train_params.loss_scale, method))
         # Slots are created now, eagerly, next to their variables: never inside the traced step.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import Params, ParamsError
@@ -20,7 +21,8 @@ CHECKPOINT_DIR = "checkpoints"
 # Task fields (matched by their last name, anywhere in the task tree) that change how the pipeline computes, not
 # what: checkpoints hold every layer under its global index whatever the stage, and a pipeline without batch norm
 # gives the same loss and gradients for any K and M (with batch norm, M changes the micro-batch statistics, as in
-# GPipe). A new pipeline field that leaves the math unchanged belongs here, so that runs may resume with it changed.
+# GPipe; with dropout, M changes the masks: `resume_warnings` says so). A new pipeline field that leaves the math
+# unchanged belongs here, so that runs may resume with it changed.
 MATH_NEUTRAL_FIELDS = frozenset({
     "num_stages", "num_micro_batches", "balance", "balance_by", "micro_batch_shape", "input_dtype", "remat",
     "device_kind", "devices", "schedule", "input_gradients", "parallel_iterations",
@@ -44,7 +46,8 @@ def check_writable(logdir: str, what: str = "--logdir") -> None:
 
 def _is_math_neutral(diff_line: str) -> bool:
     """Whether a Params.diff line ('a.b.c: x -> y') is about a MATH_NEUTRAL_FIELDS field."""
-    path = diff_line.split(": ", 1)[0].removeprefix("only in self").removeprefix("only in other").strip(": ")
+    only = next((p for p in ("only in self: ", "only in other: ") if diff_line.startswith(p)), None)
+    path = diff_line[len(only):] if only else diff_line.split(": ", 1)[0]
     # Any component: a nested pipeline field (task.network.schedule.parallel_iterations) is as neutral as it.
     return any(part.split("[", 1)[0] in MATH_NEUTRAL_FIELDS for part in path.split("."))
 
@@ -56,6 +59,56 @@ def _incompatible_fields(old: Params, new: Params) -> list[str]:
     if "task" in old and "task" in new:
         lines += [f"task.{line}" for line in old.get("task").diff(new.get("task")) if not _is_math_neutral(line)]
     return lines
+
+
+def _draws_randomness(p: Params) -> bool:
+    """Whether a layer's Params turn on dropout (rate, *dropout_rate > 0) or drop path (keep_prob < 1)."""
+    for name, value in p.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if (name in ("rate", "dropout_rate") or name.endswith("_dropout_rate")) and value > 0:
+            return True
+        if name == "drop_path_keep_prob" and value < 1:
+            return True
+    return False
+
+
+def _micro_batch_sensitive(task: Any) -> list[str]:
+    """What of the built `task` depends on how a batch is split into micro-batches: dropout masks (each micro-batch
+    draws its own from the step's seed folded with its index) and batch-norm statistics (per micro-batch, as in
+    GPipe; a layer with batch statistics overrides `apply_aux_stats`)."""
+    from gpipe_tf.layers.base_layer import BaseLayer  # lazy: keeps this module free of TensorFlow until needed
+
+    layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)]
+    dropout = any(_draws_randomness(m.p) for m in layers)
+    batch_norm = any(type(m).apply_aux_stats is not BaseLayer.apply_aux_stats for m in layers)
+    return (["dropout masks"] if dropout else []) + (["batch-norm statistics"] if batch_norm else [])
+
+
+def resume_warnings(logdir: str, params: Params, task: Any) -> list[str]:
+    """One warning line when a resume changes num_micro_batches (M) of a task (`params.task` built as `task`) whose
+    dropout masks or batch-norm statistics depend on it: the rest of the math is unchanged by M, those are not
+    (see MATH_NEUTRAL_FIELDS).
+    Empty for a new run, an unreadable params.txt (check_compatible reports that) or an M-neutral task."""
+    path = os.path.join(logdir, PARAMS_FILE)
+    if not _has_checkpoints(logdir) or not os.path.exists(path):
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = Params.from_text(f.read())
+    except (OSError, ParamsError, ImportError, AttributeError):
+        return []
+    if "task" not in old or "task" not in params:
+        return []
+    changed = [line for line in old.get("task").diff(params.get("task"))
+               if line.split(": ", 1)[0].rsplit(".", 1)[-1] == "num_micro_batches"]
+    affected = _micro_batch_sensitive(task)
+    if not changed or not affected:
+        return []
+    before = "; ".join("task.{} {}".format(*line.split(": ", 1)) for line in changed)
+    return [f"warning: resuming with {before}: {' and '.join(affected)} depend on the split into micro-batches, "
+            "so the steps from here differ from those of an uninterrupted run with the old value (everything else "
+            "is unchanged); resume with the old num_micro_batches to continue it exactly"]
 
 
 def _changed_input_stream(old: Params, new: Params) -> list[str]:

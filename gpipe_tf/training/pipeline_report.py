@@ -16,6 +16,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe import timeline
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan
+from gpipe_tf.gpipe.schedules import schedule_name
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.training.summaries import SummaryWriter
 
@@ -85,8 +86,8 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
     for pipe in pipes:
         predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches, pipe.schedule.order,
                                        pipe.plan.virtual_stages)
-        tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat}\n"
-                      + pipe.partition_table())
+        tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat} "
+                      f"schedule={schedule_name(pipe.p.schedule)}\n" + pipe.partition_table())
         texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))
         png_name = "schedule.png" if len(pipes) == 1 else f"schedule_{pipe.path.replace('/', '.')}.png"
         schedule = type(pipe.schedule).__name__

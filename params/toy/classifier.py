@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpipe_tf import model_registry
 from gpipe_tf.experiment import Experiment
-from gpipe_tf.hyperparams import InstantiableParams, Params
+from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError
 
 
 @model_registry.register
@@ -22,9 +22,11 @@ class BlobsMlp(Experiment):
     num_stages = 1
     num_micro_batches = 1
     remat = "never"
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.schedules.SCHEDULES, or a schedule's Params
 
     def task(self) -> InstantiableParams:
         """An MLP body (Linear+ReLU+Dropout per hidden layer) and a softmax."""
+        from gpipe_tf.gpipe.pipeline import FillDrain, GPipe, schedule_params
         from gpipe_tf.layers.dropout import Dropout
         from gpipe_tf.layers.linear import Linear
         from gpipe_tf.layers.sequential import Sequential
@@ -36,13 +38,17 @@ class BlobsMlp(Experiment):
             layers.append(Linear.params().set(name=f"fc{i}", input_dim=d_in, output_dim=d_out, activation="relu"))
             layers.append(Dropout.params().set(name=f"dropout{i}", rate=self.dropout_rate))
         p = ClassifierTask.params().set(name="classifier", dtype=self.dtype)
+        schedule = schedule_params(self.schedule, type(self).__name__)
         if self.num_stages == 1 and self.num_micro_batches == 1:
+            if schedule.cls is not FillDrain:
+                raise ParamsError(f"{type(self).__name__}.schedule={self.schedule!r} needs a pipeline: set num_stages "
+                                  "or num_micro_batches above 1 (e.g. toy.classifier.BlobsMlpGPipe)")
             p.network = Sequential.params().set(layers=layers)
         else:
-            from gpipe_tf.gpipe.pipeline import GPipe
             p.network = GPipe.params().set(
                 layers=layers, num_stages=self.num_stages, num_micro_batches=self.num_micro_batches, remat=self.remat,
-                micro_batch_shape=[self.batch_size // self.num_micro_batches, self.input_dim], input_dtype=self.dtype)
+                micro_batch_shape=[self.batch_size // self.num_micro_batches, self.input_dim], input_dtype=self.dtype,
+                schedule=schedule)
         p.softmax.set(input_dim=dims[-1], num_classes=self.num_classes)
         return p
 

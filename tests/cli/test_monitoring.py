@@ -12,22 +12,15 @@ import urllib.request
 import pytest
 import tensorflow as tf
 from tensorboard.plugins.hparams import metadata as hparams_metadata
-from tensorflow.core.util import event_pb2
 
 from gpipe_tf import experiment
 from gpipe_tf.training.summaries import read_scalars
+from tests.helpers.event_files import events
 from tests.helpers.paths import ROOT
 from tests.helpers.waiting import poll
 
 KEY = "toy.classifier.BlobsMlpGPipe"
 STEPS = 10
-
-
-def events(directory):
-    """Every event of the event files directly in `directory`."""
-    for name in sorted(f for f in os.listdir(directory) if "tfevents" in f):
-        for record in tf.data.TFRecordDataset(os.path.join(directory, name)):
-            yield event_pb2.Event.FromString(record.numpy())
 
 
 @pytest.fixture(scope="module")

@@ -499,3 +499,54 @@ def test_parse_overrides_requires_key_equals_value(spec, entry):
 def test_top_level_cls_must_be_code():
     with pytest.raises(ParamsError, match=r"line 2 \('cls : 3'\)"):
         Params.from_text("a : 1\ncls : 3")
+
+
+class _Wide:
+    """A class whose default Params hold two fields."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        p = InstantiableParams(cls)
+        p.define("width", 8, "a width")
+        p.define("depth", 2, "a depth")
+        return p
+
+
+class _Narrow:
+    """Another class with one field of its own."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        p = InstantiableParams(cls)
+        p.define("rate", 0.5, "a rate")
+        return p
+
+
+def test_setting_cls_gives_the_new_class_default_params_so_its_fields_can_follow():
+    p = Params()
+    p.define("layer", _Wide.params().set(width=64), "a layer")
+    p.override("layer.cls", "tests.test_hyperparams._Narrow")
+    assert p.layer == _Narrow.params()  # no 'width' or 'depth' left behind
+    p.override("layer.rate", "0.25")
+    assert p.layer.rate == 0.25
+    # Setting the class it already has keeps the fields as set.
+    p.override("layer.cls", "tests.test_hyperparams._Narrow")
+    assert p.layer.rate == 0.25
+    # A class without a params() classmethod only changes the class, as before.
+    p.override("layer.cls", "tests.test_hyperparams.Builder")
+    assert p.layer.cls is Builder and p.layer.rate == 0.25
+
+
+def test_a_node_set_to_a_class_path_becomes_that_class_default_params():
+    p = Params()
+    p.define("layer", _Wide.params(), "a layer")
+    p.override("layer", "tests.test_hyperparams._Narrow")
+    assert p.layer == _Narrow.params()
+    with pytest.raises(ParamsError, match=r"layer: cannot set 'narrow' \(it is a nested InstantiableParams of _Narrow; "
+                                          r"give a class path"):
+        p.override("layer", "narrow")  # _Narrow knows no short names (no named_params)
+    with pytest.raises(ParamsError, match=r"layer=tests.test_hyperparams.Builder: .*Builder has no params\(\)"):
+        p.override("layer", "tests.test_hyperparams.Builder")
+    frozen = p.copy().freeze()
+    with pytest.raises(ParamsError, match="frozen"):
+        frozen.override("layer", "tests.test_hyperparams._Wide")

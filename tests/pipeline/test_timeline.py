@@ -211,6 +211,47 @@ def test_default_picture_is_scaled_up_to_a_readable_size():
     assert 8 <= deep.cell_px <= 16 and deep.height * deep.width <= 20 * 1024 * 1024
 
 
+# The toy pipeline's stage costs by parameter count: dropout stages have none (a cell ~1e-12 long).
+_BLOBS_COSTS = [1088, 0, 4160, 0, 4160, 0]
+
+
+@pytest.mark.parametrize("schedule, k, m, v, costs", [
+    ("fill_drain", 4, 6, 1, None), ("fill_drain", 8, 32, 1, None), ("one_f_one_b", 2, 4, 1, None),
+    ("one_f_one_b", 4, 32, 1, None), ("interleaved", 2, 4, 2, None), ("interleaved", 4, 16, 4, None),
+    ("interleaved", 2, 4, 3, _BLOBS_COSTS), ("fill_drain", 2, 4, 1, _BLOBS_COSTS[:2] + [0.0, 5.0]),
+])
+def test_every_schedule_picture_is_at_most_1300_pixels_wide_and_shows_every_cell(schedule, k, m, v, costs):
+    # The interleaved picture of K=4 M=16 v=4 used to be 4368 px wide, the toy pipeline's 65616 px: TensorBoard
+    # shrank them to an unreadable strip. A long grid now wraps into bands of rows.
+    if costs is not None:
+        costs = [max(c, 1e-12) / sum(costs) for c in costs]
+        k_pipe = len(costs)
+    else:
+        k_pipe = k * v
+    t = timeline.predict(k_pipe // v, m, costs, remat=True, schedule=schedule, virtual_stages=v)
+    image = _decoded(timeline.render_png(t))
+    layout = timeline.picture_layout(t)
+    assert image.shape == (layout.height, layout.width, 3)
+    assert layout.width <= 1300 and layout.cell_px >= 16, layout
+    assert layout.bands * layout.band_columns >= layout.columns > (layout.bands - 1) * layout.band_columns
+    # Each forward and backward cell fills with its own color one of the columns it overlaps (or, far shorter than
+    # a column and at the same instant as another such cell, one up to 2 columns away).
+    px, tick = layout.cell_px, layout.tick
+    for cell in t.cells:
+        color = np.array(timeline.cell_color(cell.phase, cell.micro_batch, cell.chunk, t.virtual_stages), np.uint8)
+        first = min(layout.columns - 1, int(cell.start // tick))
+        last = max(first, min(layout.columns - 1, int(np.ceil(cell.end / tick)) - 1))
+        if cell.duration >= tick:
+            first, last = first + 2, last - 2
+        found = False
+        for j in range(max(0, first - 2), min(layout.columns, last + 3)):
+            band, column = divmod(j, layout.band_columns)
+            top = layout.grid_top + band * layout.band_step + cell.stage * px
+            left = layout.grid_left + column * px
+            found = found or bool(np.all(image[top + 1:top + px, left + 1:left + px] == color, axis=-1).mean() > 0.5)
+        assert found, cell
+
+
 def test_png_draws_micro_batch_digits_inside_cells():
     px = 24
     t = timeline.predict(1, 2, backward_ratio=1.0)  # columns: F0 F1 B1 B0

@@ -30,7 +30,7 @@ setup(
         "sentencepiece>=0.2,<0.3",
         # Corpus BLEU for --mode=decode: the standard, comparable implementation.
         "sacrebleu>=2.3,<3",
-        # The schedule picture's title, axis and legend text (its built-in scalable font needs Pillow >= 10.1);
+        # The timeline picture's title, axis and legend text (its built-in scalable font needs Pillow >= 10.1);
         # TensorBoard already depends on Pillow.
         "pillow>=10.1",
         "numpy>=1.26",

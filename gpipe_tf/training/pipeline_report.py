@@ -2,7 +2,7 @@
 
 Everything shown comes from each pipeline's stage plan (`GPipe.plan`, the split and remat decisions training uses).
 For every GPipe layer in the task: `logdir/partition.txt` (stage, layers, params, remat, device, cost),
-`logdir/schedule.txt` and `logdir/schedule.png` (the predicted timeline with its bubble fraction),
+`logdir/timeline.txt` and `logdir/timeline.png` (the predicted timeline with its bubble fraction),
 and the same as TensorBoard text and image summaries in `logdir/train`.
 """
 
@@ -78,7 +78,7 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
 
 
 def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: Callable[[str], None]) -> None:
-    """Writes the partition table and the schedule picture of each pipeline; logs the table."""
+    """Writes the partition table and the predicted timeline picture of each pipeline; logs the table."""
     pipes = pipelines(task)
     if not pipes:
         return
@@ -89,15 +89,15 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
         tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat} "
                       f"schedule={schedule_name(pipe.p.schedule)}\n" + pipe.partition_table())
         texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))
-        png_name = "schedule.png" if len(pipes) == 1 else f"schedule_{pipe.path.replace('/', '.')}.png"
+        png_name = "timeline.png" if len(pipes) == 1 else f"timeline_{pipe.path.replace('/', '.')}.png"
         schedule = type(pipe.schedule).__name__
         with open(os.path.join(logdir, png_name), "wb") as f:
             f.write(timeline.render_png(predicted, schedule=schedule))
-        writer.image(step, f"schedule/{pipe.path}", timeline.image_tensor(predicted, schedule=schedule))
-    table_text, schedule_text = "\n\n".join(tables), "\n\n".join(texts)
-    for name, text in (("partition.txt", table_text), ("schedule.txt", schedule_text)):
+        writer.image(step, f"pipeline_timeline/{pipe.path}", timeline.image_tensor(predicted, schedule=schedule))
+    table_text, timeline_text = "\n\n".join(tables), "\n\n".join(texts)
+    for name, text in (("partition.txt", table_text), ("timeline.txt", timeline_text)):
         with open(os.path.join(logdir, name), "w", encoding="utf-8") as f:
             f.write(text + "\n")
     writer.text(step, "partition", table_text)
-    writer.text(step, "schedule", schedule_text)
+    writer.text(step, "pipeline_timeline", timeline_text)
     log(table_text)

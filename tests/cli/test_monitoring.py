@@ -1,5 +1,5 @@
 """What TensorBoard shows of a run: HParams (knobs, pipeline settings, final metrics), memory scalars on CPU, a
-readable schedule picture, and logdir/operative_config.gin; and a real TensorBoard server listing the run in its
+readable timeline picture, and logdir/operative_config.gin; and a real TensorBoard server listing the run in its
 HParams plugin. One trainer process trains and evaluates a pipelined run; the tests read what it wrote."""
 
 import json
@@ -89,12 +89,12 @@ def test_memory_scalars_on_cpu(run):
 def test_schedule_summary_image_is_large_enough_to_read(run):
     images = [(value.tag, value.tensor) for event in events(os.path.join(run, "train")) for value in event.summary.value
               if value.metadata.plugin_data.plugin_name == "images"]
-    assert [tag for tag, _ in images] == ["schedule/classifier/network"]
+    assert [tag for tag, _ in images] == ["pipeline_timeline/classifier/network"]
     width, height, png = tf.make_ndarray(images[0][1])
     picture = tf.io.decode_png(png).numpy()
     assert (int(width), int(height)) == (picture.shape[1], picture.shape[0])
     assert picture.shape[1] >= 1000 and picture.shape[0] >= 150, picture.shape
-    file_picture = tf.io.decode_png(open(os.path.join(run, "schedule.png"), "rb").read()).numpy()
+    file_picture = tf.io.decode_png(open(os.path.join(run, "timeline.png"), "rb").read()).numpy()
     assert (file_picture == picture).all()
 
 

@@ -54,9 +54,9 @@ def test_tensorboard_serves_the_training_scalars(logdir):
         expected = read_scalars(os.path.join(logdir, "train"))["loss"]
         assert [(step, round(value, 5)) for _, step, value in served] == [(s, round(v, 5)) for s, v in expected]
         text_tags = get_json(f"{base}/text/tags")
-        assert {"params", "partition", "schedule"} <= set(text_tags.get("train", [])), text_tags
+        assert {"params", "partition", "pipeline_timeline"} <= set(text_tags.get("train", [])), text_tags
         image_tags = get_json(f"{base}/images/tags")
-        assert any(tag.startswith("schedule/") for tag in image_tags.get("train", {})), image_tags
+        assert any(tag.startswith("pipeline_timeline/") for tag in image_tags.get("train", {})), image_tags
     finally:
         server.terminate()
         server.wait(timeout=30)

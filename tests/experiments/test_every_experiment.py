@@ -33,4 +33,4 @@ def test_tiny_amoebanet_trains_a_few_pipelined_steps(tmp_path):
     params, _ = experiment.resolve_params("image.amoebanet.AmoebaNetTinyOffline", overrides="train.max_steps=3")
     logdir_lib.prepare(str(tmp_path), params)
     metrics = Controller(params, str(tmp_path), log=lambda s: None).train()
-    assert metrics["loss"] > 0 and (tmp_path / "schedule.png").exists()
+    assert metrics["loss"] > 0 and (tmp_path / "timeline.png").exists()

@@ -56,7 +56,7 @@ def test_second_run_resumes_and_continues(trained):
     assert any(line.startswith("step 210/210") for line in lines)
 
 
-def test_pipelined_experiment_writes_partition_table_and_schedule_picture(tmp_path):
+def test_pipelined_experiment_writes_partition_table_and_timeline_picture(tmp_path):
     import tensorflow as tf
 
     logdir = str(tmp_path)
@@ -65,11 +65,11 @@ def test_pipelined_experiment_writes_partition_table_and_schedule_picture(tmp_pa
     Controller(params, logdir, log=lambda s: None).train()
     table = open(f"{logdir}/partition.txt").read()
     assert "layer_0 .. layer_" in table and "/device:CPU:1" in table
-    assert "GPipe schedule K=2 M=4" in open(f"{logdir}/schedule.txt").read()
-    image = tf.io.decode_png(open(f"{logdir}/schedule.png", "rb").read())
+    assert "GPipe schedule K=2 M=4" in open(f"{logdir}/timeline.txt").read()
+    image = tf.io.decode_png(open(f"{logdir}/timeline.png", "rb").read())
     assert image.shape[0] > 0 and image.shape[2] == 3
     tags = set()
     for name in (tmp_path / "train").iterdir():
         for event in tf.compat.v1.train.summary_iterator(str(name)):
             tags.update(v.tag for v in event.summary.value)
-    assert {"partition", "schedule", "schedule/classifier/network"} <= tags, tags
+    assert {"partition", "pipeline_timeline", "pipeline_timeline/classifier/network"} <= tags, tags

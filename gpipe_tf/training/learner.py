@@ -25,7 +25,7 @@ def training_params() -> Params:
     p = Params()
     p.define("max_steps", 1000, "Train until the global step reaches this value.")
     p.define("learning_rate", 1e-3, "Base learning rate; the schedule multiplies it.")
-    p.define("optimizer", optimizers.Adam.params(), "Optimizer Params (SGD, Adam, RMSProp).")
+    p.define("optimizer", optimizers.Adam.params(), "Optimizer Params (SGD, Adam, AdamW, RMSProp, Adafactor).")
     p.define("lr_schedule", lr_schedules.Constant.params(),
              "Learning-rate multiplier schedule (Constant, LinearWarmupRsqrtDecay, Cosine, StepDecay).")
     p.define("clip_gradient_norm", 0.0, "Clip gradients to this global norm; 0 disables clipping.")

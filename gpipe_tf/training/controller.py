@@ -16,6 +16,7 @@ variables and step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ import tensorflow as tf
 from gpipe_tf.errors import ConfigError, TrainingError
 from gpipe_tf.gpipe import placement
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.training import checkpoints, hparams, init_from, pipeline_report, progress
+from gpipe_tf.training import checkpoints, hparams, init_from, keep_best, pipeline_report, progress, weight_ema
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner
@@ -108,6 +109,8 @@ class Controller:
         self.manager: tf.train.CheckpointManager | None = None  # made by restore(), after any state-file repair
         self._stop_signal: int | None = None
         self._evaluators: dict[str, Evaluator] = {}
+        self._best: keep_best.BestCheckpoint | None = None  # train_and_eval with train.keep_best_metric
+        self._ema_reader: weight_ema.WeightEma | None = None  # eval: the checkpoints' weight averages
 
     # ----------------------------------------------------------------------------------------------- training
 
@@ -210,6 +213,15 @@ class Controller:
             self.log(self.layout.describe())
         if restored:
             self.log(f"resumed from {restored} at step {step}")
+        if tp.keep_best_metric and self.layout.is_chief:
+            if evaluate_every is None:
+                self.log(f"note: train.keep_best_metric={tp.keep_best_metric!r} is kept by --mode=train_and_eval; "
+                         "this mode does not evaluate, so logdir/best is not updated")
+            else:
+                dataset, metric = keep_best.parse_metric(tp.keep_best_metric, list(self.params.eval.datasets),
+                                                         self.learner.task_metric_names)
+                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, dataset, metric,
+                                                      tp.keep_best_mode, self.log)
         if step >= tp.max_steps:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")
             self._mark_done(step)
@@ -329,6 +341,20 @@ class Controller:
     # ----------------------------------------------------------------------------------------------- evaluation
 
     def _evaluate_current(self, step: int) -> dict[str, dict[str, float]]:
+        ema = self.learner.ema if self.learner is not None else None
+        # Training evaluates the weight averages, when kept, and then goes on from its own weights.
+        with ema.averaged_weights() if ema is not None else contextlib.nullcontext():
+            results = self._evaluate_datasets(step)
+        if self._best is not None:
+            self._best.consider(step, results)
+        return results
+
+    def _use_averages(self, path: str) -> None:
+        """Eval of a restored checkpoint `path`: its weight averages replace the weights (train.ema_decay > 0)."""
+        self._ema_reader = weight_ema.maybe_use_averages(self.task, self.params.train, path, self.log,
+                                                         self._ema_reader)
+
+    def _evaluate_datasets(self, step: int) -> dict[str, dict[str, float]]:
         results = {}
         for name in self.params.eval.datasets:
             # One Evaluator (one traced eval step) per dataset for the whole run, not a retrace per evaluation.
@@ -364,7 +390,9 @@ class Controller:
         checkpoint = tf.train.Checkpoint(task=self.task, global_step=global_step)
         results: dict[int, dict[str, dict[str, float]]] = {}
         if chosen:
-            self.log(f"evaluating {checkpoints.restore_chosen(checkpoint, chosen)}")
+            path = checkpoints.restore_chosen(checkpoint, chosen)
+            self.log(f"evaluating {path}")
+            self._use_averages(path)
             self._check_eval_dirs_writable()
             step = int(global_step.numpy())
             results[step] = self._evaluate_current(step)
@@ -375,6 +403,7 @@ class Controller:
                 raise ConfigError(f"no checkpoint in {checkpoints.checkpoint_dir(self.logdir)} to evaluate; check "
                                   "--logdir, or train first (or drop --eval_once to wait for the trainer's "
                                   "checkpoints)")
+            self._use_averages(path)
             self._check_eval_dirs_writable()
             step = int(global_step.numpy())
             results[step] = self._evaluate_current(step)
@@ -392,6 +421,7 @@ class Controller:
                 if reason is None:
                     try:
                         checkpoints.restore(checkpoint, path, partial=True)
+                        self._use_averages(path)
                     except tf.errors.OpError as e:
                         reason = " ".join(str(e).split())[:300]
                 if reason is not None:

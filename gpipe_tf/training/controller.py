@@ -109,6 +109,7 @@ class Controller:
         self.manager: tf.train.CheckpointManager | None = None  # made by restore(), after any state-file repair
         self._stop_signal: int | None = None
         self._evaluators: dict[str, Evaluator] = {}
+        self._best_metric: tuple[str, str] = ("", "")  # train.keep_best_metric as (dataset, metric)
         self._best: keep_best.BestCheckpoint | None = None  # train_and_eval with train.keep_best_metric
         self._ema_reader: weight_ema.WeightEma | None = None  # eval: the checkpoints' weight averages
 
@@ -133,6 +134,9 @@ class Controller:
         probe = next(iter(self.train_input.dataset()))
         self.learner.train_step.get_concrete_function(probe, tf.constant(False))
         self._trace_secs = self.clock() - start
+        if self.params.train.keep_best_metric:  # the metric names are known now
+            self._best_metric = keep_best.parse_metric(self.params.train.keep_best_metric,
+                                                       list(self.params.eval.datasets), self.learner.task_metric_names)
         self._ready = True
 
     def restore(self) -> str | None:
@@ -218,9 +222,7 @@ class Controller:
                 self.log(f"note: train.keep_best_metric={tp.keep_best_metric!r} is kept by --mode=train_and_eval; "
                          "this mode does not evaluate, so logdir/best is not updated")
             else:
-                dataset, metric = keep_best.parse_metric(tp.keep_best_metric, list(self.params.eval.datasets),
-                                                         self.learner.task_metric_names)
-                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, dataset, metric,
+                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, *self._best_metric,
                                                       tp.keep_best_mode, self.log)
         if step >= tp.max_steps:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")

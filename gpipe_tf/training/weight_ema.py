@@ -8,7 +8,8 @@ Each average lives on its weight's device (a pipeline stage's) and is keyed by t
 optimizer slots; the averages and their update count are saved with the run's checkpoints (`ema/...`).
 
 Readers: `--mode=train_and_eval` evaluates with the averages swapped in and the trained weights swapped back
-after; `--mode=eval`, `decode` and `export` copy the checkpoint's averages into the model they restored.
+after; `--mode=eval`, `decode` and `export` copy the averages of a checkpoint that holds them into the model they
+restored (no flag needed: a run trained with averages is read through them).
 """
 
 from __future__ import annotations
@@ -101,21 +102,21 @@ class WeightEma(tf.Module):
 
 def maybe_use_averages(task: tf.Module, train_params: Params, path: str, log: Callable[[str], None],
                        ema: WeightEma | None = None) -> WeightEma | None:
-    """With train.ema_decay > 0: copies checkpoint `path`'s weight averages into `task`'s trainable variables.
+    """Copies checkpoint `path`'s weight averages, when it holds them, into `task`'s trainable variables.
 
-    For readers of a checkpoint (eval, decode, export) that restored `task` from `path`. Pass the returned
-    module back as `ema` to reuse it for the next checkpoint. ConfigError when `path` holds no averages (a run
-    trained with train.ema_decay=0). Returns None when averaging is off.
+    For readers of a checkpoint (eval, decode, export) that restored `task` from `path`: a run trained with
+    averages is read through them (as train_and_eval evaluates it), whatever the reader's own train.ema_decay.
+    Pass the returned module back as `ema` to reuse it for the next checkpoint. Returns None for a checkpoint
+    without averages; ConfigError when train.ema_decay > 0 asks for averages that `path` does not hold.
     """
-    if not train_params.ema_decay:
-        return None
-    check_decay(train_params.ema_decay)
-    if ema is None:
-        ema = WeightEma(task.trainable_variables, train_params.ema_decay)
     names = {name for name, _ in tf.train.list_variables(path)}
     if not any(name.startswith(f"{CHECKPOINT_KEY}/") for name in names):
-        raise ConfigError(f"checkpoint {path} holds no weight averages (its run trained with train.ema_decay=0); "
-                          "drop --params=train.ema_decay or pass --params=train.ema_decay=0 to use its weights")
+        if train_params.ema_decay:
+            raise ConfigError(f"checkpoint {path} holds no weight averages (its run trained with train.ema_decay=0); "
+                              "drop --params=train.ema_decay or pass --params=train.ema_decay=0 to use its weights")
+        return None
+    if ema is None:
+        ema = WeightEma(task.trainable_variables, 0.0)  # reads averages only: the decay is not used
     status = tf.train.Checkpoint(**{CHECKPOINT_KEY: ema}).restore(path)
     status.expect_partial()
     try:
@@ -124,6 +125,5 @@ def maybe_use_averages(task: tf.Module, train_params: Params, path: str, log: Ca
         raise ConfigError(f"checkpoint {path}: its weight averages do not match this model "
                           f"({' '.join(str(e).split())[:200]})") from None
     ema.copy_to_model()
-    log(f"using the weight averages (train.ema_decay={train_params.ema_decay}, {int(ema.updates.numpy())} "
-        "updates) of " + path)
+    log(f"using the weight averages ({int(ema.updates.numpy())} updates) of {path}")
     return ema

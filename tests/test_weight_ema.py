@@ -175,3 +175,24 @@ def test_averages_asked_of_a_checkpoint_without_them_is_a_config_error(tmp_path)
     with_ema.train.ema_decay = 0.9
     with pytest.raises(ConfigError, match="holds no weight averages .*train.ema_decay=0"):
         Controller(with_ema.freeze(), str(tmp_path), log=lambda line: None).evaluate()
+
+
+def test_averaging_turned_on_when_resuming_starts_from_the_resumed_run(tmp_path):
+    logdir = str(tmp_path)
+    first = pipeline_params(max_steps=2, save_interval_steps=2)
+    logdir_lib.prepare(logdir, first)
+    Controller(first, logdir, log=lambda line: None).train()
+    p = pipeline_params(max_steps=4, save_interval_steps=2, ema_decay=0.5)
+    lines = []
+    controller = Controller(p, logdir, log=lines.append)
+    assert controller.restore() == f"{logdir}/checkpoints/ckpt-2"
+    assert f"weight averages (train.ema_decay=0.5) start now: {logdir}/checkpoints/ckpt-2 holds none" in lines
+    learner = controller.learner
+    trajectory = []
+    for _ in range(2):
+        learner.train_step(next(controller.train_iterator), tf.constant(False))
+        trajectory.append([v.numpy() for v in learner.variables_to_train])
+    assert int(learner.ema.updates.numpy()) == 2
+    for i, var in enumerate(learner.variables_to_train):
+        np.testing.assert_allclose(learner.ema.average_of(var).numpy(), np_ema([w[i] for w in trajectory], 0.5),
+                                   rtol=1e-12, atol=1e-15)

@@ -149,7 +149,9 @@ class Controller:
         self.prepare_training()
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
-        self._restored = checkpoints.restore_latest(self.checkpoint, self.logdir, warn=self.log)
+        self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log)
+        if self._restored and self.learner.ema is not None:
+            weight_ema.resume(self.learner.ema, self._restored, self.log)
         if self._restored is None and self.params.train.init_from.checkpoint:
             # A new run (step 0): fine-tuning starts from another run's variables; a resumed run never re-reads them.
             init_from.apply(self.task.variables, self.params.train.init_from, self.log)
@@ -169,9 +171,11 @@ class Controller:
         self.learner = Learner(self.task, tp, self.layout)
         self.train_input = self.params.input.train.instantiate()
         self.train_iterator = iter(self.train_input.dataset())
-        self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.learner.optimizer,
-                                              global_step=self.learner.global_step,
-                                              train_iterator=self.train_iterator, **self.learner.checkpointed())
+        state = dict(task=self.task, optimizer=self.learner.optimizer, global_step=self.learner.global_step,
+                     train_iterator=self.train_iterator, **self.learner.checkpointed())
+        self.checkpoint = tf.train.Checkpoint(**state)
+        # Restored without the weight averages, which a resumed run may have turned on (weight_ema.resume).
+        self._restorable = tf.train.Checkpoint(**{k: v for k, v in state.items() if k != weight_ema.CHECKPOINT_KEY})
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
@@ -352,7 +356,7 @@ class Controller:
         return results
 
     def _use_averages(self, path: str) -> None:
-        """Eval of a restored checkpoint `path`: its weight averages replace the weights (train.ema_decay > 0)."""
+        """Eval of a restored checkpoint `path`: its weight averages, if it holds them, replace the weights."""
         self._ema_reader = weight_ema.maybe_use_averages(self.task, self.params.train, path, self.log,
                                                          self._ema_reader)
 

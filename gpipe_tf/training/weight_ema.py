@@ -24,7 +24,7 @@ from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.training.optimizer_base import slot_key
 
-__all__ = ["WeightEma", "check_decay", "maybe_use_averages"]
+__all__ = ["WeightEma", "check_decay", "maybe_use_averages", "resume"]
 
 # The name of the averages in a trainer checkpoint (Learner.checkpointed()).
 CHECKPOINT_KEY = "ema"
@@ -100,6 +100,29 @@ class WeightEma(tf.Module):
                 var.assign(value)
 
 
+def _holds_averages(path: str) -> bool:
+    return any(name.startswith(f"{CHECKPOINT_KEY}/") for name, _ in tf.train.list_variables(path))
+
+
+def _restore(ema: WeightEma, path: str) -> None:
+    status = tf.train.Checkpoint(**{CHECKPOINT_KEY: ema}).restore(path)
+    status.expect_partial()
+    try:
+        status.assert_existing_objects_matched()
+    except AssertionError as e:
+        raise ConfigError(f"checkpoint {path}: its weight averages do not match this model "
+                          f"({' '.join(str(e).split())[:200]})") from None
+
+
+def resume(ema: WeightEma, path: str, log: Callable[[str], None]) -> None:
+    """A resumed training run: restores the averages of checkpoint `path`, or, when it holds none (averaging was
+    off until now), says that they start from the next step's weights."""
+    if _holds_averages(path):
+        _restore(ema, path)
+    else:
+        log(f"weight averages (train.ema_decay={ema.decay}) start now: {path} holds none")
+
+
 def maybe_use_averages(task: tf.Module, train_params: Params, path: str, log: Callable[[str], None],
                        ema: WeightEma | None = None) -> WeightEma | None:
     """Copies checkpoint `path`'s weight averages, when it holds them, into `task`'s trainable variables.
@@ -109,21 +132,14 @@ def maybe_use_averages(task: tf.Module, train_params: Params, path: str, log: Ca
     Pass the returned module back as `ema` to reuse it for the next checkpoint. Returns None for a checkpoint
     without averages; ConfigError when train.ema_decay > 0 asks for averages that `path` does not hold.
     """
-    names = {name for name, _ in tf.train.list_variables(path)}
-    if not any(name.startswith(f"{CHECKPOINT_KEY}/") for name in names):
+    if not _holds_averages(path):
         if train_params.ema_decay:
             raise ConfigError(f"checkpoint {path} holds no weight averages (its run trained with train.ema_decay=0); "
                               "drop --params=train.ema_decay or pass --params=train.ema_decay=0 to use its weights")
         return None
     if ema is None:
         ema = WeightEma(task.trainable_variables, 0.0)  # reads averages only: the decay is not used
-    status = tf.train.Checkpoint(**{CHECKPOINT_KEY: ema}).restore(path)
-    status.expect_partial()
-    try:
-        status.assert_existing_objects_matched()
-    except AssertionError as e:
-        raise ConfigError(f"checkpoint {path}: its weight averages do not match this model "
-                          f"({' '.join(str(e).split())[:200]})") from None
+    _restore(ema, path)
     ema.copy_to_model()
     log(f"using the weight averages ({int(ema.updates.numpy())} updates) of {path}")
     return ema

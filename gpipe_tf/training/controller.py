@@ -16,6 +16,7 @@ variables and step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ import tensorflow as tf
 from gpipe_tf.errors import ConfigError, TrainingError
 from gpipe_tf.gpipe import placement
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.training import checkpoints, hparams, init_from, pipeline_report, progress
+from gpipe_tf.training import checkpoints, hparams, init_from, keep_best, pipeline_report, progress, weight_ema
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner, describe_precision
@@ -108,6 +109,9 @@ class Controller:
         self.manager: tf.train.CheckpointManager | None = None  # made by restore(), after any state-file repair
         self._stop_signal: int | None = None
         self._evaluators: dict[str, Evaluator] = {}
+        self._best_metric: tuple[str, str] = ("", "")  # train.keep_best_metric as (dataset, metric)
+        self._best: keep_best.BestCheckpoint | None = None  # train_and_eval with train.keep_best_metric
+        self._ema_reader: weight_ema.WeightEma | None = None  # eval: the checkpoints' weight averages
 
     # ----------------------------------------------------------------------------------------------- training
 
@@ -130,6 +134,9 @@ class Controller:
         probe = next(iter(self.train_input.dataset()))
         self.learner.train_step.get_concrete_function(probe, tf.constant(False))
         self._trace_secs = self.clock() - start
+        if self.params.train.keep_best_metric:  # the metric names are known now
+            self._best_metric = keep_best.parse_metric(self.params.train.keep_best_metric,
+                                                       list(self.params.eval.datasets), self.learner.task_metric_names)
         self._ready = True
 
     def restore(self) -> str | None:
@@ -142,7 +149,9 @@ class Controller:
         self.prepare_training()
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
-        self._restored = checkpoints.restore_latest(self.checkpoint, self.logdir, warn=self.log)
+        self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log)
+        if self._restored and self.learner.ema is not None:
+            weight_ema.resume(self.learner.ema, self._restored, self.log)
         if self._restored is None and self.params.train.init_from.checkpoint:
             # A new run (step 0): fine-tuning starts from another run's variables; a resumed run never re-reads them.
             init_from.apply(self.task.variables, self.params.train.init_from, self.log)
@@ -162,9 +171,11 @@ class Controller:
         self.learner = Learner(self.task, tp, self.layout)
         self.train_input = self.params.input.train.instantiate()
         self.train_iterator = iter(self.train_input.dataset())
-        self.checkpoint = tf.train.Checkpoint(task=self.task, optimizer=self.learner.optimizer,
-                                              global_step=self.learner.global_step,
-                                              train_iterator=self.train_iterator, **self.learner.checkpointed())
+        state = dict(task=self.task, optimizer=self.learner.optimizer, global_step=self.learner.global_step,
+                     train_iterator=self.train_iterator, **self.learner.checkpointed())
+        self.checkpoint = tf.train.Checkpoint(**state)
+        # Restored without the weight averages, which a resumed run may have turned on (weight_ema.resume).
+        self._restorable = tf.train.Checkpoint(**{k: v for k, v in state.items() if k != weight_ema.CHECKPOINT_KEY})
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
@@ -210,6 +221,13 @@ class Controller:
             self.log(self.layout.describe())
         if restored:
             self.log(f"resumed from {restored} at step {step}")
+        if tp.keep_best_metric and self.layout.is_chief:
+            if evaluate_every is None:
+                self.log(f"note: train.keep_best_metric={tp.keep_best_metric!r} is kept by --mode=train_and_eval; "
+                         "this mode does not evaluate, so logdir/best is not updated")
+            else:
+                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, *self._best_metric,
+                                                      tp.keep_best_mode, self.log)
         if step >= tp.max_steps:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")
             self._mark_done(step)
@@ -330,6 +348,20 @@ class Controller:
     # ----------------------------------------------------------------------------------------------- evaluation
 
     def _evaluate_current(self, step: int) -> dict[str, dict[str, float]]:
+        ema = self.learner.ema if self.learner is not None else None
+        # Training evaluates the weight averages, when kept, and then goes on from its own weights.
+        with ema.averaged_weights() if ema is not None else contextlib.nullcontext():
+            results = self._evaluate_datasets(step)
+        if self._best is not None:
+            self._best.consider(step, results)
+        return results
+
+    def _use_averages(self, path: str) -> None:
+        """Eval of a restored checkpoint `path`: its weight averages, if it holds them, replace the weights."""
+        self._ema_reader = weight_ema.maybe_use_averages(self.task, self.params.train, path, self.log,
+                                                         self._ema_reader)
+
+    def _evaluate_datasets(self, step: int) -> dict[str, dict[str, float]]:
         results = {}
         for name in self.params.eval.datasets:
             # One Evaluator (one traced eval step) per dataset for the whole run, not a retrace per evaluation.
@@ -365,7 +397,9 @@ class Controller:
         checkpoint = tf.train.Checkpoint(task=self.task, global_step=global_step)
         results: dict[int, dict[str, dict[str, float]]] = {}
         if chosen:
-            self.log(f"evaluating {checkpoints.restore_chosen(checkpoint, chosen)}")
+            path = checkpoints.restore_chosen(checkpoint, chosen)
+            self.log(f"evaluating {path}")
+            self._use_averages(path)
             self._check_eval_dirs_writable()
             step = int(global_step.numpy())
             results[step] = self._evaluate_current(step)
@@ -376,6 +410,7 @@ class Controller:
                 raise ConfigError(f"no checkpoint in {checkpoints.checkpoint_dir(self.logdir)} to evaluate; check "
                                   "--logdir, or train first (or drop --eval_once to wait for the trainer's "
                                   "checkpoints)")
+            self._use_averages(path)
             self._check_eval_dirs_writable()
             step = int(global_step.numpy())
             results[step] = self._evaluate_current(step)
@@ -393,6 +428,7 @@ class Controller:
                 if reason is None:
                     try:
                         checkpoints.restore(checkpoint, path, partial=True)
+                        self._use_averages(path)
                     except tf.errors.OpError as e:
                         reason = " ".join(str(e).split())[:300]
                 if reason is not None:

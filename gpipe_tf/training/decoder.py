@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import Params
-from gpipe_tf.training import checkpoints, progress
+from gpipe_tf.training import checkpoints, progress, weight_ema
 from gpipe_tf.training.summaries import SummaryWriter
 
 
@@ -46,6 +46,8 @@ def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], No
     path, step = checkpoints.restore_task(task, logdir, checkpoint, log)
     if path is None:
         log(f"no checkpoint in {checkpoints.checkpoint_dir(logdir)}: decoding with the initial weights")
+    else:
+        weight_ema.maybe_use_averages(task, params.train, path, log)
     ep = params.eval
     results = {}
     for name in ep.datasets:

@@ -33,7 +33,7 @@ from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.tasks.base_task import BaseTask
 from gpipe_tf.tasks.classifier import ClassifierTask
 from gpipe_tf.tasks.translation import TranslationTask
-from gpipe_tf.training import checkpoints, partial_dir
+from gpipe_tf.training import checkpoints, partial_dir, weight_ema
 
 EXPORT_DIR = "export"
 
@@ -119,6 +119,7 @@ def export(task: BaseTask, params: Params, logdir: str, log: Callable[[str], Non
     if path is None:
         raise ConfigError(f"no checkpoint in {checkpoints.checkpoint_dir(logdir)} to export; check --logdir, train "
                           "first, or pass --checkpoint=PATH")
+    weight_ema.maybe_use_averages(task, params.train, path, log)
     target = export_dir or os.path.join(logdir, EXPORT_DIR, str(step))
     if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
         raise ConfigError(f"{target} already exists; remove it or pass --export_dir=ANOTHER_DIR")

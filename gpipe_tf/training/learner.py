@@ -17,6 +17,7 @@ from gpipe_tf.tasks.base_task import BaseTask, Metrics
 from gpipe_tf.training import init_from
 from gpipe_tf.training import loss_scale as loss_scale_lib
 from gpipe_tf.training import lr_schedules, optimizers
+from gpipe_tf.training import weight_ema as weight_ema_lib
 from gpipe_tf.training.replicas import ReplicaLayout
 
 
@@ -25,9 +26,15 @@ def training_params() -> Params:
     p = Params()
     p.define("max_steps", 1000, "Train until the global step reaches this value.")
     p.define("learning_rate", 1e-3, "Base learning rate; the schedule multiplies it.")
-    p.define("optimizer", optimizers.Adam.params(), "Optimizer Params (SGD, Adam, RMSProp).")
+    p.define("optimizer", optimizers.Adam.params(), "Optimizer Params (SGD, Adam, AdamW, RMSProp, Adafactor).")
     p.define("lr_schedule", lr_schedules.Constant.params(),
              "Learning-rate multiplier schedule (Constant, LinearWarmupRsqrtDecay, Cosine, StepDecay).")
+    p.define("ema_decay", 0.0, "Exponential moving average of the trained weights, in [0, 1); 0: off. When on, "
+             "evaluation, decoding and export use the averaged weights (README 'Optimizers').")
+    p.define("keep_best_metric", "", "--mode=train_and_eval: keep the checkpoint with the best value of this eval "
+             "metric in logdir/best ('accuracy': of the first eval dataset; 'dev/loss': of dataset dev); '' off.")
+    p.define("keep_best_mode", "max", "'max' (e.g. accuracy) or 'min' (e.g. loss): which way keep_best_metric is "
+             "better.")
     p.define("clip_gradient_norm", 0.0, "Clip gradients to this global norm; 0 disables clipping.")
     p.define("seed", 1, "Seed of training randomness (dropout): step s uses the stateless seed (seed, s).")
     p.define("save_interval_steps", 100, "Write a checkpoint every this many steps (and at the end).")
@@ -64,6 +71,13 @@ def check_training_params(tp: Params) -> None:
     if not tp.learning_rate >= 0.0:
         raise ParamsError(f"train.learning_rate={tp.learning_rate!r} must be >= 0")
     loss_scale_lib.check_loss_scale_params(tp.loss_scale)
+    weight_ema_lib.check_decay(tp.ema_decay)
+    if tp.keep_best_mode not in ("max", "min"):
+        raise ParamsError(f"train.keep_best_mode={tp.keep_best_mode!r} must be 'max' or 'min'; set "
+                          "--params=train.keep_best_mode=min for a metric such as loss")
+    if not isinstance(tp.keep_best_metric, str):
+        raise ParamsError(f"train.keep_best_metric={tp.keep_best_metric!r} must be a metric name such as "
+                          "'accuracy' or 'dev/accuracy', or '' (off)")
 
 
 def precision_of(layers: Sequence[BaseLayer], loss_scale_method: str, loss_scale: Params) -> dict[str, str]:
@@ -107,6 +121,8 @@ class Learner(tf.Module):
                            loss_scale_lib.LossScale(train_params.loss_scale, method))
         # Slots are created now, eagerly, next to their variables: never inside the traced step.
         self.optimizer.build(self.variables_to_train)
+        self.ema = (weight_ema_lib.WeightEma(self.variables_to_train, train_params.ema_decay)
+                    if train_params.ema_decay else None)
         self.train_step = tf.function(self._train_step)
         # The names of the task's metrics (what evaluation reports too), known once the step has been traced.
         self.task_metric_names: tuple[str, ...] = ()
@@ -148,7 +164,10 @@ class Learner(tf.Module):
             # Once per step, from the whole mini-batch: batch norm moving averages (never inside fprop).
             for layer in self._stat_layers:
                 layer.apply_aux_stats(aux)
-            self.optimizer.apply_gradients(zip(grads, self.variables_to_train), lr)
+            applied = self.optimizer.apply_gradients(zip(grads, self.variables_to_train), lr)
+            if self.ema is not None:
+                with tf.control_dependencies([] if applied is None else [applied]):  # of the updated weights
+                    self.ema.update()
             return tf.constant(True)
 
         tf.cond(all_finite, update, lambda: tf.constant(False))
@@ -163,8 +182,12 @@ class Learner(tf.Module):
         return out
 
     def checkpointed(self) -> dict[str, tf.Module]:
-        """State of the learner besides the optimizer that checkpoints must hold: the loss scale, when used."""
-        return {} if self.loss_scale is None else {"loss_scale": self.loss_scale}
+        """State of the learner besides the optimizer that checkpoints must hold: the loss scale and the weight
+        averages, when used."""
+        state: dict[str, tf.Module] = {} if self.loss_scale is None else {"loss_scale": self.loss_scale}
+        if self.ema is not None:
+            state[weight_ema_lib.CHECKPOINT_KEY] = self.ema
+        return state
 
     def _loss_and_gradients(self, batch: Mapping[str, tf.Tensor], seed: tf.Tensor, stop: tf.Tensor,
                             loss_scale: tf.Tensor | None = None

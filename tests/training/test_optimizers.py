@@ -37,6 +37,21 @@ def np_adam(x, beta1=0.9, beta2=0.999, epsilon=1e-8):
     return x
 
 
+def np_adamw(x, weight_decay=0.01, beta1=0.9, beta2=0.999, epsilon=1e-8, decay_exclude=""):
+    """Loshchilov & Hutter's AdamW with the decay scaled by the scheduled rate (PyTorch's form)."""
+    m = np.zeros_like(x)
+    v = np.zeros_like(x)
+    for t, (g, lr) in enumerate(zip(GRADS, LRS), start=1):
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        m_hat = m / (1 - beta1 ** t)
+        v_hat = v / (1 - beta2 ** t)
+        # epsilon enters as in Adam above: added to sqrt(v), with the bias correction folded into the step.
+        adam_step = lr * m_hat / (np.sqrt(v_hat) + epsilon / np.sqrt(1 - beta2 ** t))
+        x = x - lr * weight_decay * x - adam_step
+    return x
+
+
 def np_rmsprop(x, decay=0.9, momentum=0.0, epsilon=1e-10, centered=False, initial_mean_square=0.0):
     ms = np.full_like(x, initial_mean_square)
     mg = np.zeros_like(x)
@@ -58,6 +73,10 @@ CASES = [
     ("sgd_nesterov", optimizers.SGD, {"momentum": 0.9, "nesterov": True}, np_sgd),
     ("adam", optimizers.Adam, {}, np_adam),
     ("adam_custom", optimizers.Adam, {"beta1": 0.8, "beta2": 0.98, "epsilon": 1e-3}, np_adam),
+    ("adamw", optimizers.AdamW, {}, np_adamw),
+    ("adamw_strong", optimizers.AdamW, {"weight_decay": 0.5, "beta2": 0.98}, np_adamw),
+    ("adamw_excluded", optimizers.AdamW, {"weight_decay": 0.5, "decay_exclude": "adamw_excl"},
+     lambda x, **kw: np_adam(x, beta2=0.999)),
     ("rmsprop", optimizers.RMSProp, {}, np_rmsprop),
     ("rmsprop_centered", optimizers.RMSProp, {"centered": True}, np_rmsprop),
     ("rmsprop_momentum_tf1", optimizers.RMSProp, {"momentum": 0.9, "initial_mean_square": 1.0}, np_rmsprop),
@@ -224,3 +243,23 @@ def test_clip_by_global_norm_non_finite_norm_gives_nan():
     clipped, norm = optimizers.clip_by_global_norm([tf.constant([np.inf, 1.0]), tf.constant([2.0])], 1.0)
     assert np.isinf(norm.numpy())
     assert all(np.isnan(g.numpy()).all() for g in clipped)
+
+
+def test_adamw_params_validation():
+    with pytest.raises(ParamsError, match=r"weight_decay=-0\.1"):
+        make(optimizers.AdamW, weight_decay=-0.1)
+    with pytest.raises(ParamsError, match=r"decay_exclude='\(bias'"):
+        make(optimizers.AdamW, decay_exclude="(bias")
+
+
+def test_an_optimizer_is_chosen_with_its_own_fields_from_the_command_line_form():
+    from gpipe_tf import experiment
+    from gpipe_tf.training.adafactor import Adafactor
+    from gpipe_tf.training.optimizers import AdamW
+
+    params, _ = experiment.resolve_params("toy.classifier.BlobsMlp", overrides=(
+        "train.optimizer.cls=gpipe_tf.training.optimizers.AdamW,train.optimizer.weight_decay=0.05"))
+    assert params.train.optimizer.cls is AdamW and params.train.optimizer.weight_decay == 0.05
+    params, _ = experiment.resolve_params("toy.classifier.BlobsMlp", overrides=(
+        "train.optimizer=gpipe_tf.training.adafactor.Adafactor,train.optimizer.beta1=0.9"))
+    assert params.train.optimizer.cls is Adafactor and params.train.optimizer.beta1 == 0.9

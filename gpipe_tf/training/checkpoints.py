@@ -23,6 +23,8 @@ STATE_FILE = "checkpoint"
 _FILE_RE = re.compile(r"^ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
 # A truncated or corrupt file surfaces as one of these from the kernels, or IndexError from the Python reader.
 _CORRUPT = (tf.errors.OpError, IndexError)
+# restore_latest lists the checkpoints again at most this many times when one vanishes while it is read.
+_MAX_LISTINGS = 100
 
 
 def checkpoint_dir(logdir: str) -> str:
@@ -105,15 +107,30 @@ def restore_latest(checkpoint: tf.train.Checkpoint, logdir: str, partial: bool =
     for step in _steps_on_disk(logdir)[1]:
         warn(f"warning: ckpt-{step} in {checkpoint_dir(logdir)} has data files but no index file; skipped")
     paths = checkpoint_paths(logdir)
-    for path in reversed(paths):
-        reason = unreadable_reason(path)
-        if reason is None:
-            try:
-                restore(checkpoint, path, partial)
-                return path
-            except _CORRUPT as e:
-                reason = _short(e)
-        warn(f"warning: checkpoint {path} is unreadable ({reason}); trying the previous one")
+    failed: set[str] = set()
+    # A trainer beside an evaluator saves and rotates while it reads: a checkpoint whose index file is gone by the
+    # time its read fails was deleted (max_checkpoints_to_keep), not damaged; the files are listed again and the
+    # newest is tried, without a warning. Each listing has one checkpoint more gone, so this ends.
+    for _ in range(_MAX_LISTINGS):
+        vanished = False
+        for path in reversed(paths):
+            if path in failed:
+                continue
+            reason = unreadable_reason(path)
+            if reason is None:
+                try:
+                    restore(checkpoint, path, partial)
+                    return path
+                except _CORRUPT as e:
+                    reason = _short(e)
+            if not os.path.exists(path + ".index"):
+                vanished = True
+                break
+            failed.add(path)
+            warn(f"warning: checkpoint {path} is unreadable ({reason}); trying the previous one")
+        if not vanished:
+            break
+        paths = checkpoint_paths(logdir)
     if paths:
         raise ConfigError(f"none of the {len(paths)} checkpoints in {checkpoint_dir(logdir)} can be read back "
                           "(warnings above); nothing was written: restore the files from a backup or use a new "

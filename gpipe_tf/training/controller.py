@@ -358,9 +358,10 @@ class Controller:
         if (self._finite_since_checkpoint or not self.layout.is_chief or self.layout.num_workers > 1
                 or latest == "no checkpoint"):
             return latest
-        if failed_batches < 2 and not bool(self.learner.train_step(next(self.train_iterator),
-                                                                   tf.constant(False))["nonfinite"]):
-            return latest  # another batch takes a finite step from these weights: the batch was at fault
+        if failed_batches < 2:
+            batch = next(self.train_iterator, None)
+            if batch is None or not bool(self.learner.train_step(batch, tf.constant(False))["nonfinite"]):
+                return latest  # another batch takes a finite step from these weights (or there is none)
         previous = checkpoints.quarantine(self.logdir, latest)
         moved = os.path.join(checkpoints.checkpoint_dir(self.logdir), checkpoints.QUARANTINE_DIR)
         return (f"{previous or 'no checkpoint (a rerun starts from the initial values)'} ({latest} gave non-finite "

@@ -110,7 +110,7 @@ def describe_precision(precision: Mapping[str, str]) -> str:
 
 
 class Learner(tf.Module):
-    """Owns the global step, optimizer and schedule for one task; `train_step` is one `tf.function` step."""
+    """Owns the global step, optimizer and learning-rate schedule for one task; `train_step` is one `tf.function` step."""
 
     def __init__(self, task: BaseTask, train_params: Params, layout: ReplicaLayout | None = None) -> None:
         super().__init__(name="learner")
@@ -120,7 +120,7 @@ class Learner(tf.Module):
         self.layout = layout or ReplicaLayout()
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         self.optimizer = train_params.optimizer.instantiate()
-        self.schedule = lr_schedules.for_run(train_params.lr_schedule, train_params.max_steps)
+        self.lr_schedule = lr_schedules.for_run(train_params.lr_schedule, train_params.max_steps)
         self.variables_to_train = list(task.trainable_variables)
         layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)]
         self._stat_layers = [m for m in layers if type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
@@ -138,8 +138,8 @@ class Learner(tf.Module):
         self.task_metric_names: tuple[str, ...] = ()
 
     def learning_rate(self, step: tf.Tensor) -> tf.Tensor:
-        """The learning rate at `step`: base rate times the schedule's multiplier."""
-        return tf.cast(self.tp.learning_rate, tf.float32) * self.schedule(step)
+        """The learning rate at `step`: base rate times the learning-rate schedule's multiplier."""
+        return tf.cast(self.tp.learning_rate, tf.float32) * self.lr_schedule(step)
 
     def _train_step(self, batch: Mapping[str, tf.Tensor], stop_requested: tf.Tensor | None = None
                     ) -> dict[str, tf.Tensor]:

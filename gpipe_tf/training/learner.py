@@ -110,7 +110,8 @@ def describe_precision(precision: Mapping[str, str]) -> str:
 
 
 class Learner(tf.Module):
-    """Owns the global step, optimizer and learning-rate schedule for one task; `train_step` is one `tf.function` step."""
+    """Owns the global step, optimizer and learning-rate schedule for one task; `train_step` is one `tf.function`
+    step."""
 
     def __init__(self, task: BaseTask, train_params: Params, layout: ReplicaLayout | None = None) -> None:
         super().__init__(name="learner")

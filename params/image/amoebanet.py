@@ -27,7 +27,7 @@ class AmoebaNetBase(Experiment):
     num_stages = 2
     num_micro_batches = 4
     remat = "except_last"
-    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.schedules.SCHEDULES, or a schedule's Params
     dropout_rate = 0.5
     drop_path_keep_prob = 1.0
     label_smoothing = 0.1

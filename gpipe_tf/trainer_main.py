@@ -99,8 +99,10 @@ def _quiet_exit() -> None:
 def _main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; flags look like --model=KEY")
-    from gpipe_tf import model_registry
-    from gpipe_tf import experiment
+    from gpipe_tf import experiment, model_registry, tf_startup
+
+    if not FLAGS.list_models:  # listing imports no TensorFlow
+        tf_startup.start_tensorflow()
 
     model_registry.import_modules(FLAGS.module)
     if FLAGS.list_models:

@@ -134,6 +134,7 @@ class Controller:
             # A new run will read it: a wrong path, an unreadable source or rules that copy nothing are refused
             # before anything is written.
             init_from.prepare(self.task.variables, self.params.train.init_from)
+        self.progress(describe_precision(self.learner.precision))
         # Tracing here and graph optimization in the first step take from seconds to minutes on a pipeline.
         self.progress("compiling the train step ...")
         start = self.clock()
@@ -254,7 +255,6 @@ class Controller:
             writer.text(0, "params", self.params.to_text())
         for warning in pipeline_report.shared_device_warnings(self.task):
             self.log(warning)
-        self.progress(describe_precision(self.learner.precision))
         if self.layout.is_chief:
             pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
             hparams.write_session(self.logdir, hparams.hparams_of(self.params, self.knobs, self.learner.precision),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import os
 import tokenize
 from typing import Any, Sequence
 
@@ -20,6 +21,7 @@ import gin
 from gpipe_tf import model_registry
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, Params, parse_overrides
+from gpipe_tf.training import run_seed
 
 DATASETS = ("train", "dev", "test")
 
@@ -167,6 +169,11 @@ def resolve(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[st
     Errors are ConfigError/ParamsError with one-line messages.
     """
     cls = model_registry.get(model)
+    for path in gin_files:
+        # Checked here: gin's own lookup of a missing file logs an error line and can raise a TypeError.
+        if not os.path.isfile(path):
+            where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+            raise ConfigError(f"--gin_file={path!r}: no such file{where}; check the path")
     binder = _knob_binder(cls)
     gin.clear_config()
     try:
@@ -175,8 +182,10 @@ def resolve(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[st
         raise ConfigError(f"bad gin config: {' '.join(str(e).split())}") from e
     experiment = cls(**binder())
     params = experiment.model_params()
-    for key, text in parse_overrides(overrides):
+    pairs = parse_overrides(overrides)
+    for key, text in pairs:
         params.override(key, text)
+    run_seed.apply(params, [key for key, _ in pairs])
     knobs = {name: getattr(experiment, name) for name in sorted(cls.knobs())}
     return Resolved(params=params.freeze(), operative_config=gin.operative_config_str(), knobs=knobs)
 

@@ -8,7 +8,8 @@
 
 A second run with the same --logdir resumes from its latest checkpoint. Errors a user can fix print one line
 and exit with status 2; a training failure (NaN loss, unwritable checkpoint) prints one line and exits with 1;
-SIGTERM/SIGINT save a checkpoint and exit with 0.
+SIGTERM/SIGINT during training save a checkpoint and exit with 0; SIGINT before the first step (e.g. during the
+compile) prints one line and exits with 130, having written no checkpoint.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ flags.DEFINE_multi_string("module", [], "Import this module (or every module of 
                           "experiments before --model or --list_models, e.g. --module=mypkg.experiments.")
 flags.DEFINE_string("logdir", None, "Run directory: params, checkpoints and TensorBoard events.")
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
-flags.DEFINE_integer("max_steps", None, "Train up to this global step (overrides train.max_steps).", lower_bound=1)
+flags.DEFINE_integer("max_steps", None, "Train up to this global step (overrides train.max_steps).", lower_bound=1,
+                     upper_bound=2 ** 63 - 1)
 flags.DEFINE_string("params", "", "Dotted Params overrides, e.g. 'train.learning_rate=0.1,train.seed=3'.")
 flags.DEFINE_multi_string("gin_file", [], "Gin files binding experiment knobs.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'BlobsMlp.hidden_dims=(128, 128)'.")
@@ -79,16 +81,28 @@ flags.DEFINE_integer("local_stage_workers", None, "Start this many single-thread
                      "pipeline stages on them: a faithful CPU simulation of one device per stage.")
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, status: int = 2) -> None:
+    _quiet_exit()
     print(f"trainer.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
+
+
+def _quiet_exit() -> None:
+    """Python-side TensorFlow warnings off while the process ends on an error already explained in one line.
+
+    Objects dropped at exit would otherwise log their own consequences of it, e.g. a checkpoint of another model
+    logs one line per unrestored value (hundreds for a large model). Errors still show.
+    """
+    logging.set_verbosity(logging.ERROR)
 
 
 def _main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; flags look like --model=KEY")
-    from gpipe_tf import model_registry
-    from gpipe_tf import experiment
+    from gpipe_tf import experiment, model_registry, tf_startup
+
+    if not FLAGS.list_models:  # listing imports no TensorFlow
+        tf_startup.start_tensorflow()
 
     model_registry.import_modules(FLAGS.module)
     if FLAGS.list_models:
@@ -257,8 +271,16 @@ def main(argv: list[str]) -> None:
     try:
         _main(argv)
     except TrainingError as e:
-        print(f"trainer.py: error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(1)
+        _fail(" ".join(str(e).split()), status=1)
+    except KeyboardInterrupt:
+        # SIGINT before the training loop installs its handler (which saves and stops cleanly): while the command
+        # is checked, the model built or the step compiled. Nothing of the run was written yet.
+        if FLAGS.mode in ("train", "train_and_eval"):
+            _fail("interrupted (SIGINT) before the training loop started (while checking the command, building the "
+                  "model or compiling the step); no checkpoint was written or changed, run again to go on",
+                  status=130)
+        _fail(f"interrupted (SIGINT) during --mode={FLAGS.mode}; nothing of the run's checkpoints was changed",
+              status=130)
     except Exception as e:  # noqa: BLE001 - re-raised below unless it is (or wraps) an error the user can fix
         # tf.function tracing wraps errors raised in user code (autograph's StagingError): the original is in the
         # exception's chain. An OSError is a full disk or a permission: fixable by the user too.

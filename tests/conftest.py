@@ -1,6 +1,53 @@
-"""Test session set-up: 4 logical CPU devices, configured before any test initializes TensorFlow."""
+"""Test session set-up: 4 logical CPU devices, configured before any test initializes TensorFlow; the slow marker."""
+
+import inspect
+
+import pytest
 
 from gpipe_tf import devices
 
 NUM_LOGICAL_DEVICES = 4
 devices.split_cpu(NUM_LOGICAL_DEVICES)
+
+
+# --------------------------------------------------------------------------------------------- the slow marker
+_STARTS_A_PROCESS = ("subprocess.", "sys.executable", "multiprocessing.")
+
+
+def _starts_a_process(source: str, spawners: set[str]) -> bool:
+    return any(token in source for token in _STARTS_A_PROCESS) or any(f"{name}(" in source for name in spawners)
+
+
+def _module_spawners(module) -> set[str]:
+    """Names of the module's functions and fixtures that start a process, directly or through another one."""
+    cached = getattr(module, "_slow_spawners", None)
+    if cached is not None:
+        return cached
+    sources = {}
+    for name, value in vars(module).items():
+        fn = getattr(value, "__wrapped__", value)
+        if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+            sources[name] = inspect.getsource(fn)
+    spawners: set[str] = set()
+    while True:
+        found = {name for name, source in sources.items() if name not in spawners
+                 and _starts_a_process(source, spawners)}
+        if not found:
+            break
+        spawners |= found
+    module._slow_spawners = spawners
+    return spawners
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks `slow` every test that starts a process (a trainer, a TF worker, TensorBoard, pip), itself or through
+    a helper or fixture of its module: `pytest -m "not slow"` runs the in-process tests alone in a few minutes.
+    The README's test command runs both."""
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None:
+            continue
+        spawners = _module_spawners(item.module)
+        source = inspect.getsource(getattr(function, "__wrapped__", function))
+        if _starts_a_process(source, spawners) or spawners & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from typing import Callable
 
 import tensorflow as tf
@@ -22,6 +23,8 @@ STATE_FILE = "checkpoint"
 _FILE_RE = re.compile(r"^ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
 # A truncated or corrupt file surfaces as one of these from the kernels, or IndexError from the Python reader.
 _CORRUPT = (tf.errors.OpError, IndexError)
+# restore_latest lists the checkpoints again at most this many times when one vanishes while it is read.
+_MAX_LISTINGS = 100
 
 
 def checkpoint_dir(logdir: str) -> str:
@@ -104,15 +107,30 @@ def restore_latest(checkpoint: tf.train.Checkpoint, logdir: str, partial: bool =
     for step in _steps_on_disk(logdir)[1]:
         warn(f"warning: ckpt-{step} in {checkpoint_dir(logdir)} has data files but no index file; skipped")
     paths = checkpoint_paths(logdir)
-    for path in reversed(paths):
-        reason = unreadable_reason(path)
-        if reason is None:
-            try:
-                restore(checkpoint, path, partial)
-                return path
-            except _CORRUPT as e:
-                reason = _short(e)
-        warn(f"warning: checkpoint {path} is unreadable ({reason}); trying the previous one")
+    failed: set[str] = set()
+    # A trainer beside an evaluator saves and rotates while it reads: a checkpoint whose index file is gone by the
+    # time its read fails was deleted (max_checkpoints_to_keep), not damaged; the files are listed again and the
+    # newest is tried, without a warning. Each listing has one checkpoint more gone, so this ends.
+    for _ in range(_MAX_LISTINGS):
+        vanished = False
+        for path in reversed(paths):
+            if path in failed:
+                continue
+            reason = unreadable_reason(path)
+            if reason is None:
+                try:
+                    restore(checkpoint, path, partial)
+                    return path
+                except _CORRUPT as e:
+                    reason = _short(e)
+            if not os.path.exists(path + ".index"):
+                vanished = True
+                break
+            failed.add(path)
+            warn(f"warning: checkpoint {path} is unreadable ({reason}); trying the previous one")
+        if not vanished:
+            break
+        paths = checkpoint_paths(logdir)
     if paths:
         raise ConfigError(f"none of the {len(paths)} checkpoints in {checkpoint_dir(logdir)} can be read back "
                           "(warnings above); nothing was written: restore the files from a backup or use a new "
@@ -140,12 +158,105 @@ def repair_state_file(logdir: str, restored: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+# Where a checkpoint whose weights cannot take a finite step is moved (never deleted): see `quarantine`.
+QUARANTINE_DIR = "nonfinite"
+# Leftovers of a save that a crash interrupted: TensorFlow's sharded-save directory and the state file's temporary.
+_LEFTOVER_RE = re.compile(r"^(ckpt-\d+_temp|checkpoint\.tmp.*)$")
+
+
+def quarantine(logdir: str, path: str) -> str | None:
+    """Moves checkpoint `path`'s files into checkpoints/nonfinite/ (replacing an older copy there) and makes the
+    previous checkpoint the latest; returns that one's path (None: no checkpoint is left, a rerun starts afresh)."""
+    directory = checkpoint_dir(logdir)
+    target = os.path.join(directory, QUARANTINE_DIR)
+    os.makedirs(target, exist_ok=True)
+    prefix = os.path.basename(path) + "."
+    for name in sorted(os.listdir(directory)):
+        if name.startswith(prefix) and _FILE_RE.match(name):
+            os.replace(os.path.join(directory, name), os.path.join(target, name))
+    left = checkpoint_paths(logdir)
+    if left:
+        repair_state_file(logdir, left[-1])
+        return left[-1]
+    state = os.path.join(directory, STATE_FILE)
+    if os.path.exists(state):
+        os.remove(state)
+    return None
+
+
+def remove_leftovers(logdir: str) -> list[str]:
+    """Deletes what crashed saves left in checkpoints/ (`ckpt-N_temp/`, `checkpoint.tmp*`); returns their names.
+
+    Only for the trainer that holds the logdir's lock: no other process is saving then.
+    """
+    directory = checkpoint_dir(logdir)
+    try:
+        names = sorted(n for n in os.listdir(directory) if _LEFTOVER_RE.match(n))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for name in names:
+        full = os.path.join(directory, name)
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        else:
+            os.remove(full)
+    return names
+
+
 def _short(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
 
 
+def model_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
+    """How the model variables of checkpoint `path` differ from those of `checkpoint.task` (None: the same names
+    and shapes, or `checkpoint` has no task).
+
+    TensorFlow's own matching only checks that each of the model's variables is in the file: a model that is a
+    part of another (2 hidden layers of a 3-layer run) would silently restore from it.
+    """
+    task = getattr(checkpoint, "task", None)
+    if task is None:
+        return None
+    from gpipe_tf.training import init_from  # it imports this module
+
+    saved = {name: shape for name, (_, shape) in init_from.source_variables(path).items()}
+    own = {init_from.variable_name(v): v.shape.as_list() for v in task.variables}
+    extra = sorted(set(saved) - set(own))
+    missing = sorted(set(own) - set(saved))
+    reshaped = sorted(n for n in set(own) & set(saved) if own[n] != saved[n])
+    parts = [f"{what} {_listed(names)}" for what, names in (
+        ("it holds model variables this model lacks:", extra), ("it lacks", missing),
+        ("other shapes:", reshaped)) if names]
+    if not parts:
+        return None
+    run_params = os.path.join(os.path.dirname(os.path.dirname(path)), "params.txt")
+    model = _model_of(run_params)
+    return "; ".join(parts) + (f"; {run_params} names its model {model}" if model else "")
+
+
+def _listed(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _model_of(params_file: str) -> str | None:
+    """The `model` line of a run's params.txt (None when there is none)."""
+    try:
+        with open(params_file, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model :"):
+                    return line.split(":", 1)[1].strip().strip("'")
+    except OSError:
+        return None
+    return None
+
+
 def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -> None:
     """Restores `path` into `checkpoint`; a checkpoint of another model raises ConfigError."""
+    mismatch = model_mismatch(checkpoint, path)
+    if mismatch:
+        raise ConfigError(f"checkpoint {path} does not match this model ({mismatch}); use the --model of the run "
+                          "that wrote it, or a new --logdir")
+    status = None
     try:
         status = checkpoint.restore(path)
         if partial:
@@ -153,6 +264,8 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
         else:
             status.assert_existing_objects_matched()
     except (tf.errors.InvalidArgumentError, ValueError, AssertionError) as e:
+        if status is not None:
+            status.expect_partial()  # no warning per unrestored value when the objects are dropped
         # Every tensor of `path` was read back first (restore_latest), so a mismatch here is another model's.
         raise ConfigError(f"checkpoint {path} does not match this model ({_short(e)}); use a new --logdir") from None
 
@@ -194,11 +307,18 @@ def restore_chosen(checkpoint: tf.train.Checkpoint, path: str, what: str = "--ch
     reason = unreadable_reason(path)
     if reason is not None:
         raise ConfigError(f"{what}: checkpoint {path} cannot be read ({reason}); name another checkpoint")
+    mismatch = model_mismatch(checkpoint, path)
+    if mismatch:
+        raise ConfigError(f"{what}: checkpoint {path} does not match this model ({mismatch}); name a checkpoint of "
+                          "a run of this model, or use that run's --model")
+    status = None
     try:
         status = checkpoint.restore(path)
         status.assert_existing_objects_matched()
         status.expect_partial()
     except (tf.errors.InvalidArgumentError, ValueError, AssertionError) as e:
+        if status is not None:
+            status.expect_partial()  # no warning per unrestored value when the objects are dropped
         raise ConfigError(f"{what}: checkpoint {path} does not match this model ({_short(e)}); name a checkpoint of "
                           "a run of this model") from None
     return path

@@ -112,6 +112,11 @@ class Controller:
         self._best_metric: tuple[str, str] = ("", "")  # train.keep_best_metric as (dataset, metric)
         self._best: keep_best.BestCheckpoint | None = None  # train_and_eval with train.keep_best_metric
         self._ema_reader: weight_ema.WeightEma | None = None  # eval: the checkpoints' weight averages
+        # Finite steps since the newest checkpoint this process saved or restored (see _quarantine_if_bad).
+        self._finite_since_checkpoint = 0
+        # Steps skipped as non-finite (train.skip_nonfinite_steps) in this process: in all and in a row now.
+        self._skipped = 0
+        self._skipped_in_a_row = 0
 
     # ----------------------------------------------------------------------------------------------- training
 
@@ -126,8 +131,10 @@ class Controller:
         self._build_training()
         source = self.params.train.init_from.checkpoint
         if source and not checkpoints.checkpoint_paths(self.logdir):
-            # A new run will read it: a wrong path is refused before anything is written.
-            checkpoints.resolve(source, "train.init_from.checkpoint")
+            # A new run will read it: a wrong path, an unreadable source or rules that copy nothing are refused
+            # before anything is written.
+            init_from.prepare(self.task.variables, self.params.train.init_from)
+        self.progress(describe_precision(self.learner.precision))
         # Tracing here and graph optimization in the first step take from seconds to minutes on a pipeline.
         self.progress("compiling the train step ...")
         start = self.clock()
@@ -147,6 +154,11 @@ class Controller:
         forgets) the checkpoints on disk.
         """
         self.prepare_training()
+        if self.layout.is_chief:
+            removed = checkpoints.remove_leftovers(self.logdir)
+            if removed:
+                self.log(f"removed {', '.join(removed)} from {checkpoints.checkpoint_dir(self.logdir)}: leftovers of "
+                         "a save that was interrupted (no complete checkpoint is among them)")
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
         self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log)
@@ -155,6 +167,10 @@ class Controller:
         if self._restored is None and self.params.train.init_from.checkpoint:
             # A new run (step 0): fine-tuning starts from another run's variables; a resumed run never re-reads them.
             init_from.apply(self.task.variables, self.params.train.init_from, self.log)
+        elif self._restored and self.params.train.init_from.checkpoint:
+            self.log(f"train.init_from.checkpoint={self.params.train.init_from.checkpoint!r} not applied: the run "
+                     f"resumes from its own {self._restored} (init_from starts only a new run; use a new --logdir "
+                     "to start from it)")
         if self._restored and self.layout.is_chief and (problem or self._restored != on_disk[-1]):
             checkpoints.repair_state_file(self.logdir, self._restored)
         self.manager = checkpoints.make_manager(self.checkpoint, self.logdir,
@@ -196,6 +212,7 @@ class Controller:
             raise TrainingError(f"could not write the checkpoint of step {step} ({' '.join(str(e).split())[:200]}); "
                                 f"the previous checkpoint {self._last_checkpoint()} is intact; free disk "
                                 "space and run again to resume from it") from None
+        self._finite_since_checkpoint = 0
         self.progress(f"saved checkpoint {path}")
 
     def train(self, evaluate_every: int | None = None) -> dict[str, float]:
@@ -238,7 +255,6 @@ class Controller:
             writer.text(0, "params", self.params.to_text())
         for warning in pipeline_report.shared_device_warnings(self.task):
             self.log(warning)
-        self.progress(describe_precision(self.learner.precision))
         if self.layout.is_chief:
             pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
             hparams.write_session(self.logdir, hparams.hparams_of(self.params, self.knobs, self.learner.precision),
@@ -274,7 +290,10 @@ class Controller:
                 tf.profiler.experimental.stop()
                 self.log(f"profile of steps {self.profile_steps[0]}-{step} written to {self.logdir}/plugins/profile")
             if bool(metrics["nonfinite"]):
-                self._nonfinite(step, metrics)
+                self._nonfinite(step, metrics, step - start_step)
+            else:
+                self._skipped_in_a_row = 0
+                self._finite_since_checkpoint += 1
             now = self.clock()
             if steady_step is None:
                 first = now - start_time
@@ -318,21 +337,55 @@ class Controller:
         if evaluate_every is not None and self.layout.is_chief:
             self._evaluate_current(step)
         self._mark_done(step)
-        self.progress(f"done: step {step}/{tp.max_steps}, {step - start_step} steps in "
+        skipped = (f", {self._skipped} of them skipped as non-finite (train.skip_nonfinite_steps)" if self._skipped
+                   else "")
+        self.progress(f"done: step {step}/{tp.max_steps}, {step - start_step} steps{skipped} in "
                       f"{progress.format_duration(self._trace_secs + self.clock() - start_time)} (compilation "
                       f"included); last checkpoint {self._last_checkpoint()}")
         return {k: float(v) for k, v in metrics.items() if k != "nonfinite_gradients"}
 
-    def _nonfinite(self, step: int, metrics: dict[str, Any]) -> None:
+    def _nonfinite(self, step: int, metrics: dict[str, Any], steps_run: int) -> None:
         bad = [name for name, b in zip(self.learner.gradient_names(), metrics["nonfinite_gradients"].numpy()) if b]
         what = f"the gradients of {_names(bad)}" if bad else "the loss (every gradient is finite)"
         if self.params.train.skip_nonfinite_steps:
+            self._skipped += 1
+            self._skipped_in_a_row += 1
+            limit = self.params.train.max_consecutive_skipped_steps
+            if self._skipped_in_a_row >= limit:
+                raise TrainingError(f"steps {step - limit + 1}-{step} were all non-finite and skipped "
+                                    f"(train.max_consecutive_skipped_steps={limit}; {self._skipped} of the "
+                                    f"{steps_run} steps of this run skipped), last in {what}; stopped without "
+                                    f"saving, so {self._quarantine_if_bad(limit)} is the last good state; lower "
+                                    "the learning rate or clip gradients (train.clip_gradient_norm)")
             self.log(f"warning: non-finite {what} at step {step}; update skipped (train.skip_nonfinite_steps)")
             return
         raise TrainingError(f"non-finite loss or gradient at step {step}, in {what}; stopped before "
-                            f"updating, so {self._last_checkpoint()} is the last good state; lower "
+                            f"updating, so {self._quarantine_if_bad(1)} is the last good state; lower "
                             "the learning rate, clip gradients (train.clip_gradient_norm) or set "
                             "--params=train.skip_nonfinite_steps=True")
+
+    def _quarantine_if_bad(self, failed_batches: int) -> str:
+        """The last good state after non-finite steps on `failed_batches` batches; returns its description.
+
+        When no finite step ran since the newest checkpoint, the steps failed from that checkpoint's own weights.
+        If they did so on at least two batches (one more step is tried when only one failed: a single bad batch
+        does not condemn the weights), the weights are the fault, e.g. finite but huge after a too-large learning
+        rate: the checkpoint is moved to checkpoints/nonfinite/ (not deleted), so that a rerun resumes from the
+        checkpoint before it instead of failing at the same step forever.
+        """
+        latest = self._last_checkpoint()
+        if (self._finite_since_checkpoint or not self.layout.is_chief or self.layout.num_workers > 1
+                or latest == "no checkpoint"):
+            return latest
+        if failed_batches < 2:
+            batch = next(self.train_iterator, None)
+            if batch is None or not bool(self.learner.train_step(batch, tf.constant(False))["nonfinite"]):
+                return latest  # another batch takes a finite step from these weights (or there is none)
+        previous = checkpoints.quarantine(self.logdir, latest)
+        moved = os.path.join(checkpoints.checkpoint_dir(self.logdir), checkpoints.QUARANTINE_DIR)
+        return (f"{previous or 'no checkpoint (a rerun starts from the initial values)'} ({latest} gave non-finite "
+                f"steps from its own weights on {max(failed_batches, 2)} batches, so it was moved to {moved}/ and a "
+                "rerun resumes from the one before it)")
 
     def _last_checkpoint(self) -> str:
         """The newest checkpoint this run saved or resumed from: one it knows to be finite and complete."""

@@ -149,17 +149,34 @@ def describe(result: InitPlan, path: str, total: int) -> list[str]:
     return lines
 
 
-def apply(variables: Sequence[tf.Variable], p: Params, log: Callable[[str], None]) -> InitPlan:
-    """Copies the source checkpoint's values into `variables` by `p`'s rules; logs what was and was not copied.
+def prepare(variables: Sequence[tf.Variable], p: Params) -> tuple[str, InitPlan]:
+    """The source checkpoint's path and the plan for `variables`; reads no value and changes nothing.
 
-    ConfigError naming the path when `p.checkpoint` names no readable checkpoint.
+    ConfigError naming the path when `p.checkpoint` names no readable checkpoint, and naming the rules and some
+    of the source's variable names when they copy no variable at all (a run would silently train from scratch).
     """
     path = checkpoints.resolve(p.checkpoint, "train.init_from.checkpoint")
     reason = checkpoints.unreadable_reason(path)
     if reason is not None:
         raise ConfigError(f"train.init_from.checkpoint: checkpoint {path} cannot be read ({reason}); name another "
                           "checkpoint")
-    result = plan(variables, source_variables(path), p)
+    source = source_variables(path)
+    result = plan(variables, source, p)
+    if not result.copies:
+        why = "; ".join(line.split(": ", 1)[1] for line in describe(result, path, len(variables))[1:])
+        raise ConfigError(f"train.init_from copies none of this model's {len(variables)} variables from {path} "
+                          f"(rules={list(p.rules)!r}, ignore={list(p.ignore)!r}; {why}); the source holds "
+                          f"{_listed(sorted(source))}: fix train.init_from.rules so that they map this model's "
+                          "names to those (default: the same names)")
+    return path, result
+
+
+def apply(variables: Sequence[tf.Variable], p: Params, log: Callable[[str], None]) -> InitPlan:
+    """Copies the source checkpoint's values into `variables` by `p`'s rules; logs what was and was not copied.
+
+    ConfigError as `prepare` when the source cannot be read or the rules copy nothing.
+    """
+    path, result = prepare(variables, p)
     reader = tf.train.load_checkpoint(path)
     for variable, _, key in result.copies:
         variable.assign(tf.cast(reader.get_tensor(key), variable.dtype))

@@ -28,7 +28,8 @@ def training_params() -> Params:
     p.define("learning_rate", 1e-3, "Base learning rate; the schedule multiplies it.")
     p.define("optimizer", optimizers.Adam.params(), "Optimizer Params (SGD, Adam, AdamW, RMSProp, Adafactor).")
     p.define("lr_schedule", lr_schedules.Constant.params(),
-             "Learning-rate multiplier schedule (Constant, LinearWarmupRsqrtDecay, Cosine, StepDecay).")
+             "Learning-rate multiplier schedule (Constant, LinearWarmupRsqrtDecay, Cosine, StepDecay); a decay "
+             "length left None follows max_steps.")
     p.define("ema_decay", 0.0, "Exponential moving average of the trained weights, in [0, 1); 0: off. When on, "
              "evaluation, decoding and export use the averaged weights (README 'Optimizers').")
     p.define("keep_best_metric", "", "--mode=train_and_eval: keep the checkpoint with the best value of this eval "
@@ -36,7 +37,9 @@ def training_params() -> Params:
     p.define("keep_best_mode", "max", "'max' (e.g. accuracy) or 'min' (e.g. loss): which way keep_best_metric is "
              "better.")
     p.define("clip_gradient_norm", 0.0, "Clip gradients to this global norm; 0 disables clipping.")
-    p.define("seed", 1, "Seed of training randomness (dropout): step s uses the stateless seed (seed, s).")
+    p.define("seed", 1, "The run seed: dropout at step s uses the stateless seed (seed, s), and any value but 1 also "
+             "derives task.seed (initialization) and input.train.seed (data order) unless --params sets them "
+             "(gpipe_tf/training/run_seed.py).")
     p.define("save_interval_steps", 100, "Write a checkpoint every this many steps (and at the end).")
     p.define("max_checkpoints_to_keep", 5, "Older checkpoints are deleted.")
     p.define("init_from", init_from.init_from_params(), "Fine-tuning: initialize a new run's variables from another "
@@ -49,15 +52,19 @@ def training_params() -> Params:
              "and their gradients all-reduced (README 'Scaling out').")
     p.define("skip_nonfinite_steps", False, "On a NaN/Inf loss or gradient: False stops training (the last good "
              "checkpoint stays the latest); True skips that step's update and goes on.")
+    p.define("max_consecutive_skipped_steps", 10, "With skip_nonfinite_steps: stop (exit 1, nothing saved) when "
+             "this many steps in a row were non-finite and skipped; a run that only skips would train nothing.")
     p.define("loss_scale", loss_scale_lib.loss_scale_params(), "Loss scaling for float16 computation (method auto: "
              "dynamic when a layer's fprop_dtype is float16). The scale and the skipped-step count are written to "
              "TensorBoard as loss_scale and skipped_steps (README 'Mixed precision').")
     return p
 
 
+# The largest global step: the step counter is an int64 variable.
+MAX_STEP = 2 ** 63 - 1
 # train.* counts and their smallest allowed values.
 _MINIMUM = {"max_steps": 1, "save_interval_steps": 1, "max_checkpoints_to_keep": 1, "summary_interval_steps": 1,
-            "log_interval_steps": 1, "eval_interval_steps": 0, "num_replicas": 1}
+            "log_interval_steps": 1, "eval_interval_steps": 0, "num_replicas": 1, "max_consecutive_skipped_steps": 1}
 
 
 def check_training_params(tp: Params) -> None:
@@ -67,6 +74,9 @@ def check_training_params(tp: Params) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ParamsError(f"train.{name}={value!r} must be an integer >= {minimum}; set "
                               f"--params=train.{name}=N with N >= {minimum}")
+        if value > MAX_STEP:
+            raise ParamsError(f"train.{name}={value} is above {MAX_STEP}, the largest int64 step; use a smaller "
+                              "value")
     init_from.check(tp.init_from)
     if not tp.learning_rate >= 0.0:
         raise ParamsError(f"train.learning_rate={tp.learning_rate!r} must be >= 0")
@@ -100,7 +110,8 @@ def describe_precision(precision: Mapping[str, str]) -> str:
 
 
 class Learner(tf.Module):
-    """Owns the global step, optimizer and schedule for one task; `train_step` is one `tf.function` step."""
+    """Owns the global step, optimizer and learning-rate schedule for one task; `train_step` is one `tf.function`
+    step."""
 
     def __init__(self, task: BaseTask, train_params: Params, layout: ReplicaLayout | None = None) -> None:
         super().__init__(name="learner")
@@ -110,7 +121,7 @@ class Learner(tf.Module):
         self.layout = layout or ReplicaLayout()
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
         self.optimizer = train_params.optimizer.instantiate()
-        self.schedule = train_params.lr_schedule.instantiate()
+        self.lr_schedule = lr_schedules.for_run(train_params.lr_schedule, train_params.max_steps)
         self.variables_to_train = list(task.trainable_variables)
         layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)]
         self._stat_layers = [m for m in layers if type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
@@ -128,8 +139,8 @@ class Learner(tf.Module):
         self.task_metric_names: tuple[str, ...] = ()
 
     def learning_rate(self, step: tf.Tensor) -> tf.Tensor:
-        """The learning rate at `step`: base rate times the schedule's multiplier."""
-        return tf.cast(self.tp.learning_rate, tf.float32) * self.schedule(step)
+        """The learning rate at `step`: base rate times the learning-rate schedule's multiplier."""
+        return tf.cast(self.tp.learning_rate, tf.float32) * self.lr_schedule(step)
 
     def _train_step(self, batch: Mapping[str, tf.Tensor], stop_requested: tf.Tensor | None = None
                     ) -> dict[str, tf.Tensor]:

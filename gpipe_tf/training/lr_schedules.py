@@ -4,6 +4,11 @@ The trainer computes lr = train.learning_rate * schedule(step). Every schedule i
 the step, so it works eagerly with a Python int and inside `tf.function` with an int64 step tensor. The
 arithmetic is done in float64 and only the result is cast to float32: a float32 step is inexact beyond
 2^24 (~16.7M steps), which would make long runs' schedules jitter.
+
+The run length: a schedule that decays to an end (`Cosine`) follows `train.max_steps` when its `total_steps` is
+None (the default), so a longer run (`--max_steps`, a resume to a later step) stretches the decay over the whole
+run. An explicit `total_steps` shorter than `train.max_steps` is refused before training starts (`for_run`):
+the steps past it would train at the schedule's final multiplier, often 0.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
-__all__ = ["Schedule", "Constant", "LinearWarmupRsqrtDecay", "Cosine", "StepDecay"]
+__all__ = ["Schedule", "Constant", "LinearWarmupRsqrtDecay", "Cosine", "StepDecay", "for_run"]
 
 
 def _is_int(value: Any) -> bool:
@@ -106,24 +111,30 @@ class Cosine(Schedule):
 
     @classmethod
     def params(cls) -> InstantiableParams:
-        """Default Params: `total_steps` (10000), `warmup_steps` (0), `final_ratio` (0.0)."""
+        """Default Params: `total_steps` (None: train.max_steps), `warmup_steps` (0), `final_ratio` (0.0)."""
         p = super().params()
-        p.define("total_steps", 10000, "Step at which the cosine reaches final_ratio; a positive int.")
+        p.define("total_steps", None, "Step at which the cosine reaches final_ratio; a positive int, or None: "
+                 "train.max_steps (the decay stretches with the run). Never less than train.max_steps.")
         p.define("warmup_steps", 0, "Steps of linear warm-up from 0 to 1; an int in [0, total_steps).")
         p.define("final_ratio", 0.0, "Multiplier at and after total_steps, in [0, 1].")
         return p
 
     def _validate(self, p: InstantiableParams) -> None:
-        if not _is_int(p.total_steps) or p.total_steps <= 0:
-            raise self._error("total_steps", p.total_steps,
-                              "it must be a positive int, the step where the decay ends (e.g. the run length)")
-        if not _is_int(p.warmup_steps) or not 0 <= p.warmup_steps < p.total_steps:
-            raise self._error("warmup_steps", p.warmup_steps,
-                              f"it must be an int in [0, total_steps={p.total_steps}); lower it or raise "
-                              "total_steps")
         ratio = p.final_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
             raise self._error("final_ratio", ratio, "it must be a number in [0, 1], e.g. 0.0 or 0.1")
+        if not _is_int(p.warmup_steps) or p.warmup_steps < 0:
+            raise self._error("warmup_steps", p.warmup_steps, "it must be an int >= 0, below total_steps")
+        if p.total_steps is None:
+            raise self._error("total_steps", p.total_steps, "the run length must be filled in first: build the "
+                              "schedule with lr_schedules.for_run(params, max_steps) (the trainer does)")
+        if not _is_int(p.total_steps) or p.total_steps <= 0:
+            raise self._error("total_steps", p.total_steps,
+                              "it must be a positive int, the step where the decay ends (e.g. the run length)")
+        if p.warmup_steps >= p.total_steps:
+            raise self._error("warmup_steps", p.warmup_steps,
+                              f"it must be an int in [0, total_steps={p.total_steps}); lower it or raise "
+                              "total_steps")
 
     def _multiplier(self, step: tf.Tensor) -> tf.Tensor:
         warmup = float(self.p.warmup_steps)
@@ -187,3 +198,23 @@ class StepDecay(Schedule):
         else:
             return tf.ones_like(step)
         return tf.pow(factor, count)
+
+
+def for_run(params: InstantiableParams, max_steps: int) -> Schedule:
+    """The schedule of `params` for a run of `max_steps` steps (`train.lr_schedule`, `train.max_steps`).
+
+    A `total_steps` of None becomes `max_steps`; an explicit `total_steps` below `max_steps` raises ParamsError
+    naming both fields: the steps after it would train at the final multiplier (lr 0 for a cosine to 0).
+    """
+    p = params.copy()
+    if "total_steps" in p:
+        if p.total_steps is None:
+            p.total_steps = max_steps
+        elif _is_int(p.total_steps) and p.total_steps < max_steps:
+            final = p.get("final_ratio") if "final_ratio" in p else None
+            at_end = f" (learning rate x {final!r} from then on)" if final is not None else ""
+            raise ParamsError(f"train.max_steps={max_steps} runs past the end of the learning-rate schedule, "
+                              f"train.lr_schedule.total_steps={p.total_steps}{at_end}; set "
+                              f"--params=train.lr_schedule.total_steps={max_steps}, or None to follow "
+                              "train.max_steps")
+    return p.instantiate()

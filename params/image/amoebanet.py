@@ -27,7 +27,7 @@ class AmoebaNetBase(Experiment):
     num_stages = 2
     num_micro_batches = 4
     remat = "except_last"
-    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.schedules.SCHEDULES, or a schedule's Params
     dropout_rate = 0.5
     drop_path_keep_prob = 1.0
     label_smoothing = 0.1
@@ -90,7 +90,7 @@ class AmoebaNetBase(Experiment):
         p.set(max_steps=self.max_steps, learning_rate=self.learning_rate, summary_interval_steps=20,
               log_interval_steps=20, save_interval_steps=500)
         p.optimizer = RMSProp.params().set(decay=0.9, epsilon=0.1)
-        p.lr_schedule = Cosine.params().set(total_steps=self.max_steps)
+        p.lr_schedule = Cosine.params()  # total_steps None: the decay follows train.max_steps
         return p
 
 

@@ -60,7 +60,7 @@ class _MultilingualLadder(NumbersTiny):
     num_stages = 1
     num_micro_batches = 1
     remat = "always"
-    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.schedules.SCHEDULES, or a schedule's Params
     dtype = "float32"
     logical_devices = None
 
@@ -210,7 +210,7 @@ class _TransformerL(TfdsLanguageModelInputs, NumbersTiny):
     num_stages = 1
     num_micro_batches = 1
     remat = "never"
-    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.schedules.SCHEDULES, or a schedule's Params
     dtype = "float32"
     logical_devices = None
 

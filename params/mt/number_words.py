@@ -39,7 +39,7 @@ class NumbersTiny(Experiment):
     num_stages = 2
     num_micro_batches = 4
     remat = "never"
-    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.pipeline.SCHEDULES, or a schedule's Params
+    schedule = "fill_drain"  # a name from gpipe_tf.gpipe.schedules.SCHEDULES, or a schedule's Params
     logical_devices = 4
 
     def task(self) -> InstantiableParams:

@@ -47,8 +47,9 @@ def test_eta_excludes_the_compiling_first_step_and_checkpoints_and_done_are_repo
 
     c.learner.train_step = timed_step
     c.train()
-    assert lines[0] == "compiling the train step ..."
-    assert lines[1] == ("train step compiled in 1m40s (tracing 0.0s, first step 1m40s); rate and ETA from the "
+    assert lines[0] == "precision: weights float32, compute float32, loss scaling none"
+    assert lines[1] == "compiling the train step ..."
+    assert lines[2] == ("train step compiled in 1m40s (tracing 0.0s, first step 1m40s); rate and ETA from the "
                         "steps after it")
     by_step = {m.group(1): line for line in lines if (m := re.match(r"step (\d+)/10 ", line))}
     # Steps 2..5 took 4 s: 1 step/s, so 5 steps remain for 5 s (counting the compile it would say 1m44s).
@@ -110,8 +111,9 @@ def test_trainer_prints_compile_checkpoint_and_done_lines_and_quiet_silences_the
                      "--params=train.save_interval_steps=10,train.log_interval_steps=10")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout.splitlines()
-    assert out[0] == "compiling the train step ..." and out[1].startswith("train step compiled in ")
-    assert [line.split()[0:2] for line in out[2:]] == [["step", "10/20"], ["saved", "checkpoint"], ["step", "20/20"],
+    assert out[0] == "precision: weights float32, compute float32, loss scaling none"
+    assert out[1] == "compiling the train step ..." and out[2].startswith("train step compiled in ")
+    assert [line.split()[0:2] for line in out[3:]] == [["step", "10/20"], ["saved", "checkpoint"], ["step", "20/20"],
                                                       ["saved", "checkpoint"], ["done:", "step"]], out
     quiet = trainer(f"--model={KEY}", f"--logdir={tmp_path / 'quiet'}", "--max_steps=20", "--quiet")
     assert quiet.returncode == 0 and quiet.stdout == "", quiet.stdout

@@ -525,28 +525,28 @@ class _Narrow:
 def test_setting_cls_gives_the_new_class_default_params_so_its_fields_can_follow():
     p = Params()
     p.define("layer", _Wide.params().set(width=64), "a layer")
-    p.override("layer.cls", "tests.test_hyperparams._Narrow")
+    p.override("layer.cls", "tests.hyperparams.test_hyperparams._Narrow")
     assert p.layer == _Narrow.params()  # no 'width' or 'depth' left behind
     p.override("layer.rate", "0.25")
     assert p.layer.rate == 0.25
     # Setting the class it already has keeps the fields as set.
-    p.override("layer.cls", "tests.test_hyperparams._Narrow")
+    p.override("layer.cls", "tests.hyperparams.test_hyperparams._Narrow")
     assert p.layer.rate == 0.25
     # A class without a params() classmethod only changes the class, as before.
-    p.override("layer.cls", "tests.test_hyperparams.Builder")
+    p.override("layer.cls", "tests.hyperparams.test_hyperparams.Builder")
     assert p.layer.cls is Builder and p.layer.rate == 0.25
 
 
 def test_a_node_set_to_a_class_path_becomes_that_class_default_params():
     p = Params()
     p.define("layer", _Wide.params(), "a layer")
-    p.override("layer", "tests.test_hyperparams._Narrow")
+    p.override("layer", "tests.hyperparams.test_hyperparams._Narrow")
     assert p.layer == _Narrow.params()
     with pytest.raises(ParamsError, match=r"layer: cannot set 'narrow' \(it is a nested InstantiableParams of _Narrow; "
                                           r"give a class path"):
         p.override("layer", "narrow")  # _Narrow knows no short names (no named_params)
-    with pytest.raises(ParamsError, match=r"layer=tests.test_hyperparams.Builder: .*Builder has no params\(\)"):
-        p.override("layer", "tests.test_hyperparams.Builder")
+    with pytest.raises(ParamsError, match=r"layer=tests.hyperparams.test_hyperparams.Builder: .*Builder has no params\(\)"):
+        p.override("layer", "tests.hyperparams.test_hyperparams.Builder")
     frozen = p.copy().freeze()
     with pytest.raises(ParamsError, match="frozen"):
-        frozen.override("layer", "tests.test_hyperparams._Wide")
+        frozen.override("layer", "tests.hyperparams.test_hyperparams._Wide")

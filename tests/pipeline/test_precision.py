@@ -294,7 +294,8 @@ def test_bfloat16_with_two_data_parallel_replicas_equals_one_replica():
 
     results = []
     for d in (1, 2):
-        params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe", gin_bindings=["BlobsMlpGPipe.dropout_rate = 0.0"])
+        params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe",
+                                              gin_bindings=["BlobsMlpGPipe.dropout_rate = 0.0"])
         p = params.copy()
         p.task.fprop_dtype = "bfloat16"
         # Micro-batches of 16 either way: D=1 runs 4 of them, each of D=2 replicas 2, so every bfloat16 op sees

@@ -64,8 +64,11 @@ def test_new_head_fine_tunes_from_the_trained_body_once(source, tmp_path):
                                         overrides=f"train.max_steps=6,train.init_from.checkpoint='{source}'")
     resumed = Controller(more, logdir, log=resumed_lines.append)
     resumed.restore()
-    # A resumed run restores its own checkpoint and never reads the source again.
-    assert not [line for line in resumed_lines if "init_from" in line], resumed_lines
+    # A resumed run restores its own checkpoint and never reads the source again; one line says so.
+    own = os.path.join(logdir, "checkpoints", "ckpt-5")
+    assert [line for line in resumed_lines if "init_from" in line] == [
+        f"train.init_from.checkpoint={source!r} not applied: the run resumes from its own {own} (init_from starts "
+        "only a new run; use a new --logdir to start from it)"], resumed_lines
     mine = tf.train.load_checkpoint(os.path.join(logdir, "checkpoints", "ckpt-5"))
     now = values(resumed)
     for name in BODY:

@@ -16,7 +16,8 @@ from tests.helpers.paths import ROOT
 
 
 def run(setup, logdir, max_steps, kill_after=None):
-    args = [sys.executable, os.path.join(ROOT, "tests", "helpers", "optimizer_run.py"), setup, str(logdir), str(max_steps)]
+    script = os.path.join(ROOT, "tests", "helpers", "optimizer_run.py")
+    args = [sys.executable, script, setup, str(logdir), str(max_steps)]
     if kill_after is not None:
         args.append(str(kill_after))
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -238,3 +238,34 @@ def test_loss_without_a_loss_entry_is_an_error():
         return {"total": tf.reduce_sum(out)}
     with pytest.raises(ValueError, match=r"returned \['total'\]: it must return a 'loss' entry"):
         layer.fprop_with_loss(layer.theta, x, PipelineLoss(bad, (), {}), FPropContext(training=True))
+
+
+def _while_inputs(graph):
+    """The number of inputs of every while loop in `graph` and the functions it calls."""
+    graphs = [graph] + [fn.graph for fn in graph._functions.values() if hasattr(fn, "graph")]
+    return sorted(len(op.inputs) for g in graphs for op in g.get_operations() if op.type in ("While", "StatelessWhile"))
+
+
+def test_the_loop_builds_its_token_rings_from_the_order_data(reference):
+    # 1F1B at K=2 states windows (2, 1): three tokens. An order with windows (3, 3) and a forward wait of lag 2
+    # gives the loop 3 + 2 more loop variables, and the same loss and gradients (the order changes no math).
+    from gpipe_tf.gpipe import orders
+
+    x, targets, head, ref = reference
+    widths = []
+    for custom in (None, orders.ScheduleOrder("wide", 2, in_flight=(3, 3), forward_waits=((1, 0, 2),),
+                                              loss_per_micro_batch=True, backward_reversed=False)):
+        layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, 4, "never", "one_f_one_b")
+        if custom is not None:
+            layer.schedule.step_order = lambda k, custom=custom: custom
+        got = loss_and_grads(layer, x, targets, head)
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-10)
+        for g, r in zip(got[1], ref[1]):
+            np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12)
+
+        @tf.function
+        def step(x, layer=layer):
+            loss = PipelineLoss(head_fn, (head,), targets)
+            return layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]
+        widths.append(_while_inputs(step.get_concrete_function(x).graph))
+    assert len(widths[0]) == len(widths[1]) == 1 and widths[1][0] - widths[0][0] == 5, widths

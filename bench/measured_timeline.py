@@ -97,7 +97,8 @@ def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float]
             start, end = _span(intervals)
             if stage % k != row:
                 raise ValueError(f"pipeline stage {stage} ran on worker {row}; expected worker {stage % k}")
-            cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=stage // k))
+            ops = tuple(sorted((a, b) for a, b in intervals if start <= a and b <= end))
+            cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=stage // k, ops=ops))
     if not any(c.phase != timeline.TRANSFER for c in cells):
         raise ValueError("no stage op ran M times in this step: a part of a stalled step, or not a pipeline")
     return cells
@@ -157,7 +158,9 @@ def _trace(profiler_addresses: Sequence[str], run_step: Callable[[], object], pa
 def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
     """The schedule's predicted timeline with the measured step's median forward and backward cost of each
     pipeline stage, so that the two pictures differ only by what the prediction leaves out (transfers, executor
-    overhead, waiting, ops of different micro-batches sharing a worker)."""
+    overhead, waiting, ops of different micro-batches sharing a worker). A cell's cost is its compute (the union
+    of its ops' intervals, `Cell.compute`), not its span: where a worker ran the next micro-batch's forward beside
+    the current backward, both spans cover both cells' ops, and costs from spans would count that time twice."""
     import statistics
 
     k, v = measured.num_stages, measured.virtual_stages
@@ -166,7 +169,7 @@ def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
     for cell in measured.cells:
         if cell.phase in (timeline.FORWARD, timeline.BACKWARD):
             stage = cell.chunk * k + cell.stage
-            (forward if cell.phase == timeline.FORWARD else backward)[stage].append(cell.duration)
+            (forward if cell.phase == timeline.FORWARD else backward)[stage].append(cell.compute)
     costs = [max(statistics.median(forward[s]), 1e-9) for s in range(k * v)]
     backward_costs = [max(statistics.median(backward[s]), 1e-9) for s in range(k * v)]
     return timeline.predict(measured.order, measured.num_micro_batches, costs, backward_costs=backward_costs)

@@ -41,6 +41,10 @@ class Cell:
 
     With the interleaved schedule `stage` is the device (the row drawn) and `chunk` which of its virtual stages
     runs: the pipeline stage is chunk * K + stage (`Timeline.pipeline_stage`). Otherwise chunk is 0.
+
+    `ops` (measured cells): the intervals the cell's ops ran in, inside [start, end]. A worker runs ops of
+    different micro-batches as their inputs arrive (the next micro-batch's forward beside the current backward),
+    so a cell's span may hold other cells' ops and idle time; its ops are its compute. Empty: the whole span.
     """
 
     stage: int
@@ -49,11 +53,22 @@ class Cell:
     start: float
     end: float
     chunk: int = 0
+    ops: tuple[tuple[float, float], ...] = ()
 
     @property
     def duration(self) -> float:
         """end - start."""
         return self.end - self.start
+
+    @property
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """The intervals the cell computes in: its ops', else its whole span."""
+        return list(self.ops) if self.ops else [(self.start, self.end)]
+
+    @property
+    def compute(self) -> float:
+        """The time the cell computes: the union of `busy_intervals` (its duration when it has no ops)."""
+        return _union_length(self.busy_intervals)
 
 
 @dataclasses.dataclass
@@ -97,8 +112,9 @@ class Timeline:
         """A timeline of measured cells (times in seconds, any origin: shifted so that the earliest start is 0).
 
         Cells of one row may overlap (a profiler sees what really ran); the busy time of a row is the union of its
-        cells' intervals. The bubble counts only forward and backward compute as busy, since a transfer is
-        pipeline overhead that a schedule exists to hide; `idle_fraction` also counts 'T' cells as busy.
+        cells' `busy_intervals` (their ops' intervals where given, else their spans). The bubble counts only
+        forward and backward compute as busy, since a transfer is pipeline overhead that a schedule exists to
+        hide; `idle_fraction` also counts 'T' cells as busy.
         makespan runs from the earliest start to the latest end, transfers included.
 
         Args:
@@ -124,12 +140,13 @@ class Timeline:
         if makespan <= 0:
             raise ParamsError(f"cells span {makespan!r} seconds: a measured timeline needs at least one cell with "
                               "end > start")
-        shifted = sorted((dataclasses.replace(c, start=c.start - origin, end=c.end - origin) for c in checked),
-                         key=lambda c: (c.start, c.stage))
+        shifted = sorted((dataclasses.replace(c, start=c.start - origin, end=c.end - origin,
+                                              ops=tuple((a - origin, b - origin) for a, b in c.ops))
+                          for c in checked), key=lambda c: (c.start, c.stage))
 
         def busy(phases: tuple[str, ...]) -> float:
-            return sum(_union_length([(c.start, c.end) for c in shifted if c.stage == row and c.phase in phases])
-                       for row in range(k))
+            return sum(_union_length([interval for c in shifted if c.stage == row and c.phase in phases
+                                      for interval in c.busy_intervals]) for row in range(k))
 
         return cls(order=order, num_micro_batches=m, cells=shifted, makespan=makespan,
                    bubble_fraction=1.0 - busy((FORWARD, BACKWARD)) / (k * makespan), is_measured=True,
@@ -217,8 +234,13 @@ def _check_measured_cell(j: int, cell: object, k: int, m: int, v: int) -> Cell:
             raise bad(field, "a finite number of seconds")
     if cell.end < cell.start:
         raise bad("end", f"a time >= start={cell.start!r}")
+    ops = cell.ops if isinstance(cell.ops, _SEQUENCES) and not isinstance(cell.ops, (str, bytes)) else None
+    if ops is None or not all(isinstance(op, _SEQUENCES) and len(op) == 2 and all(
+            isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t) for t in op)
+            and cell.start <= op[0] <= op[1] <= cell.end for op in ops):
+        raise bad("ops", f"a list of (start, end) op intervals inside the cell's [{cell.start!r}, {cell.end!r}]")
     return dataclasses.replace(cell, stage=int(cell.stage), start=float(cell.start), end=float(cell.end),
-                               chunk=int(cell.chunk),
+                               chunk=int(cell.chunk), ops=tuple((float(a), float(b)) for a, b in ops),
                                micro_batch=None if cell.micro_batch is None else int(cell.micro_batch))
 
 

@@ -117,3 +117,27 @@ def test_a_stalled_step_is_skipped_for_a_whole_one(monkeypatch):
     monkeypatch.setattr(measured_timeline, "_trace", lambda *args: [[(0.0, 0.1, op, "MatMul")]])
     with pytest.raises(RuntimeError, match=r"no whole step in 3 traces .*no complete step"):
         measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, _order("one_f_one_b", 1))
+
+
+def test_interleaved_ops_count_as_each_cells_compute_not_its_span():
+    # One worker, M=2, 1F1B: the forward of micro-batch 1 runs beside the backward of micro-batch 0, their ops
+    # alternating. Each span covers both cells' ops; the bubble and the prediction's costs count each cell's ops.
+    fwd = "while/gpipe0_stage0/forward/MatMul"
+    fwd2 = "while/gpipe0_stage0/forward/Relu"
+    bwd = "while/gradient_tape/while/gpipe0_stage0/forward/MatMul/MatMul"
+    bwd2 = "while/gradient_tape/while/gpipe0_stage0/forward/Relu/ReluGrad"
+    plan = [(fwd, "MatMul", 0.01), (fwd2, "Relu", 0.01),  # F0: 10.00 .. 10.02
+            (bwd, "MatMul", 0.02), (fwd, "MatMul", 0.01),  # B0 and F1 interleaved
+            (bwd2, "ReluGrad", 0.02), (fwd2, "Relu", 0.01),
+            (bwd, "MatMul", 0.02), (bwd2, "ReluGrad", 0.02)]  # B1
+    cells = measured_timeline.cells_of_step([_events(plan)], (0.0, 100.0), 2, _order("one_f_one_b", 1))
+    by_key = {(c.phase, c.micro_batch): c for c in cells}
+    assert by_key["B", 0].duration == pytest.approx(0.05) and by_key["B", 0].compute == pytest.approx(0.04)
+    assert by_key["F", 1].duration == pytest.approx(0.04) and by_key["F", 1].compute == pytest.approx(0.02)
+    measured = timeline.Timeline.measured(_order("one_f_one_b", 1), 2, cells)
+    assert measured.bubble_fraction == pytest.approx(0.0, abs=1e-9)  # the worker never idled
+    predicted = measured_timeline.predicted_from(measured)
+    # Costs from the ops: F 0.02, B 0.04 each; one device runs them back to back, 0.12 in all (medians of the
+    # spans, F 0.03 and B 0.045, would give 0.15).
+    assert predicted.makespan == pytest.approx(0.12)
+    assert predicted.bubble_fraction == pytest.approx(0.0, abs=1e-9)

@@ -763,3 +763,19 @@ def test_backward_costs_replace_the_ratio_per_stage():
     assert t.makespan == 15.0
     with pytest.raises(ParamsError, match=r"backward_costs=\[1.0\] has 1 entries .* one backward cost"):
         predict(2, 2, backward_costs=[1.0])
+
+
+def test_measured_ops_inside_a_span_are_its_compute():
+    # A backward whose span holds a gap (its worker waited between its two ops): the gap is idle time.
+    cells = [timeline.Cell(0, 0, "F", 0.0, 1.0), timeline.Cell(0, 0, "B", 1.0, 4.0, ops=((1.0, 2.0), (3.0, 4.0)))]
+    t = timeline.Timeline.measured(order("fill_drain", 1), 1, cells)
+    assert t.bubble_fraction == pytest.approx(0.25)
+    assert t.cells[1].compute == 2.0 and t.cells[1].duration == 3.0
+    shifted = timeline.Timeline.measured(order("fill_drain", 1), 1,
+                                         [dataclasses.replace(c, start=c.start + 5, end=c.end + 5,
+                                                              ops=tuple((a + 5, b + 5) for a, b in c.ops))
+                                          for c in cells])
+    assert shifted.cells[1].ops == ((1.0, 2.0), (3.0, 4.0))
+    with pytest.raises(ParamsError, match=re.escape("cells[0].ops=((0.5, 2.0),) is invalid: it must be a list of "
+                                                    "(start, end) op intervals inside the cell's [1.0, 4.0]")):
+        timeline.Timeline.measured(order("fill_drain", 1), 1, [timeline.Cell(0, 0, "B", 1.0, 4.0, ops=((0.5, 2.0),))])

@@ -14,6 +14,12 @@ The data describes the cells of one step: F(s, i) and B(s, i), the forward and t
   and their backward (the loop's ring of w tokens per stage);
 * `forward_waits` (s, t, lag): F(s, i) after F(t, i - lag) (a further ring on one device).
 
+With `weight_window` (zero-bubble orders) a stage's backward is two cells: B(s, i), the input gradient, which the
+previous stage waits for, and W(s, i), the weight gradients, which only the optimizer needs. The in-flight window
+then counts B only, so a stage's next forward need not wait for its weight gradients, and W(s, i) runs after
+B(s, i) and W(s, i-1), in a bubble or beside later cells; `weight_window[s]` = u bounds how far W may lag:
+F(s, i) after W(s, i - u) (the loop's ring of u tokens), so at most u micro-batches' weight-gradient stashes wait.
+
 Within those, a device runs whatever cell is ready, one at a time, as a TensorFlow worker runs ops as their
 inputs arrive. Nothing here imports TensorFlow.
 """
@@ -26,6 +32,7 @@ from gpipe_tf.hyperparams import ParamsError
 
 FORWARD = "F"
 BACKWARD = "B"
+WEIGHT = "W"
 
 Cell = tuple  # (phase, pipeline stage, micro-batch)
 
@@ -45,6 +52,8 @@ class ScheduleOrder:
         forward (1F1B); False: the backward starts from the gradient of the whole output.
       backward_reversed: each stage's backwards visit micro-batches M-1 .. 0 (GPipe's drain), else 0 .. M-1.
       micro_batch_multiple: M must be a multiple of this (K for Megatron-LM's groups of K micro-batches).
+      weight_window: per pipeline stage, how many micro-batches' weight gradients (W) may wait after their input
+        gradients (B); None: B and W are one cell, the whole backward.
     """
 
     name: str
@@ -55,6 +64,7 @@ class ScheduleOrder:
     loss_per_micro_batch: bool = False
     backward_reversed: bool = True
     micro_batch_multiple: int = 1
+    weight_window: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for field, value in (("num_devices", self.num_devices), ("virtual_stages", self.virtual_stages),
@@ -65,6 +75,10 @@ class ScheduleOrder:
                                            or any(w < 1 for w in self.in_flight)):
             raise ParamsError(f"ScheduleOrder.in_flight={self.in_flight!r} is invalid: give one window >= 1 per "
                               f"pipeline stage ({self.num_stages}), or None for no bound")
+        if self.weight_window is not None and (len(self.weight_window) != self.num_stages
+                                               or any(u < 1 for u in self.weight_window)):
+            raise ParamsError(f"ScheduleOrder.weight_window={self.weight_window!r} is invalid: give one window >= 1 "
+                              f"per pipeline stage ({self.num_stages}), or None for no separate weight gradients")
         for s, t, lag in self.forward_waits:
             if not (0 <= s < self.num_stages and 0 <= t < self.num_stages and lag >= 1):
                 raise ParamsError(f"ScheduleOrder.forward_waits entry {(s, t, lag)!r} is invalid: stages in "
@@ -80,7 +94,8 @@ class ScheduleOrder:
         return stage % self.num_devices
 
     def bubble_bound(self, num_micro_batches: int) -> float:
-        """The idle fraction with equal stage costs: (K-1)/(vM+K-1) (GPipe's (K-1)/(M+K-1) for v = 1)."""
+        """GPipe's bound, the idle fraction with equal stage costs: (K-1)/(vM+K-1) ((K-1)/(M+K-1) for v = 1).
+        Orders with separate weight gradients go below it by running W in the bubbles."""
         k = self.num_devices
         return (k - 1) / (self.virtual_stages * num_micro_batches + k - 1)
 
@@ -95,10 +110,17 @@ class ScheduleOrder:
                               f"use num_micro_batches={' or '.join(map(str, near))} (a multiple of {q} that divides "
                               "the batch size), or the OneForwardOneBackward schedule ('one_f_one_b')")
 
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The cells of one stage and micro-batch: ('F', 'B'), and 'W' with separate weight gradients."""
+        return (FORWARD, BACKWARD) if self.weight_window is None else (FORWARD, BACKWARD, WEIGHT)
+
     def dependencies(self, phase: str, stage: int, micro_batch: int, num_micro_batches: int) -> list[Cell]:
         """The cells (phase, stage, micro_batch) that must end before this one starts; see the module doc."""
         s, i, m, last = stage, micro_batch, num_micro_batches, self.num_stages - 1
         deps: list[Cell] = []
+        if phase == WEIGHT:
+            return [(BACKWARD, s, i)] + ([(WEIGHT, s, i - 1)] if i > 0 else [])
         if phase == FORWARD:
             if s > 0:
                 deps.append((FORWARD, s - 1, i))
@@ -107,6 +129,8 @@ class ScheduleOrder:
             if self.in_flight is not None and i - self.in_flight[s] >= 0:
                 deps.append((BACKWARD, s, i - self.in_flight[s]))
             deps += [(FORWARD, t, i - lag) for w, t, lag in self.forward_waits if w == s and i - lag >= 0]
+            if self.weight_window is not None and i - self.weight_window[s] >= 0:
+                deps.append((WEIGHT, s, i - self.weight_window[s]))
             return deps
         if s < last:
             deps.append((BACKWARD, s + 1, i))
@@ -143,3 +167,11 @@ def interleaved(num_devices: int, virtual_stages: int) -> ScheduleOrder:
     """Megatron-LM's interleaved 1F1B: `one_f_one_b` over v chunks per device, in groups of K micro-batches."""
     order = one_f_one_b(num_devices, virtual_stages, name="interleaved")
     return dataclasses.replace(order, micro_batch_multiple=num_devices)
+
+
+def zero_bubble(num_devices: int) -> ScheduleOrder:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B's order and in-flight windows with each
+    backward split into B and W; W may lag B by K - s micro-batches on stage s, so the weight gradients fill the
+    bubbles of the drain while the stashes stay within 1F1B's count plus the waiting W's."""
+    order = one_f_one_b(num_devices, name="zero_bubble")
+    return dataclasses.replace(order, weight_window=order.in_flight)

@@ -68,7 +68,8 @@ class GPipe(BaseLayer):
         p.define("schedule", FillDrain.params(), "The schedule's Params: FillDrain.params() (default; GPipe's "
                  "order in one while loop, graph and trace time constant in M), OneForwardOneBackward.params() "
                  "(1F1B: the loss in the last stage, at most K - k micro-batches held by stage k), "
-                 "Interleaved.params().set(virtual_stages=v) (v chunks of layers per device, a smaller bubble) or "
+                 "Interleaved.params().set(virtual_stages=v) (v chunks of layers per device, a smaller bubble), "
+                 "ZeroBubble.params() (ZB-H1: 1F1B with the weight gradients free to fill the bubbles) or "
                  "Unrolled.params() (every (stage, micro-batch) step its own op group; the graph grows with M). A "
                  f"name from {tuple(SCHEDULES)} stands for that class's defaults. README 'How the pipeline works' "
                  "says which to pick.")

@@ -9,9 +9,10 @@ from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
 from gpipe_tf.gpipe.schedule_base import Schedule
 from gpipe_tf.gpipe.unrolled import Unrolled
+from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
-__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "SCHEDULES", "schedule_params",
+__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "SCHEDULES", "schedule_params",
            "schedule_name", "virtual_stages"]
 
 # Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its

@@ -23,13 +23,14 @@ from typing import Sequence
 
 import numpy as np
 
-from gpipe_tf.gpipe.orders import BACKWARD, FORWARD, ScheduleOrder, fill_drain
+from gpipe_tf.gpipe.orders import BACKWARD, FORWARD, WEIGHT, ScheduleOrder, fill_drain
 from gpipe_tf.hyperparams import ParamsError
 
-__all__ = ["Cell", "Timeline", "predict", "check_positive", "FORWARD", "BACKWARD", "TRANSFER", "PHASES"]
+__all__ = ["Cell", "Timeline", "predict", "check_positive", "FORWARD", "BACKWARD", "WEIGHT", "TRANSFER", "PHASES"]
 
 TRANSFER = "T"
-PHASES = (FORWARD, BACKWARD, TRANSFER)
+PHASES = (FORWARD, BACKWARD, WEIGHT, TRANSFER)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
 _SEQUENCES = (collections.abc.Sequence, np.ndarray)
 
 
@@ -149,7 +150,7 @@ class Timeline:
                                       for interval in c.busy_intervals]) for row in range(k))
 
         return cls(order=order, num_micro_batches=m, cells=shifted, makespan=makespan,
-                   bubble_fraction=1.0 - busy((FORWARD, BACKWARD)) / (k * makespan), is_measured=True,
+                   bubble_fraction=1.0 - busy(COMPUTE) / (k * makespan), is_measured=True,
                    idle_fraction=1.0 - busy(PHASES) / (k * makespan))
 
     @property
@@ -221,7 +222,7 @@ def _check_measured_cell(j: int, cell: object, k: int, m: int, v: int) -> Cell:
     if not is_int(cell.stage) or not 0 <= cell.stage < k:
         raise bad("stage", f"an int in [0, {k}) (num_stages={k})")
     if cell.phase not in PHASES:
-        raise bad("phase", "'F' (forward), 'B' (backward) or 'T' (transfer)")
+        raise bad("phase", "'F' (forward), 'B' (backward), 'W' (weight gradients) or 'T' (transfer)")
     if cell.micro_batch is None and cell.phase != TRANSFER or (
             cell.micro_batch is not None and (not is_int(cell.micro_batch) or not 0 <= cell.micro_batch < m)):
         raise bad("micro_batch", f"an int in [0, {m}) (num_micro_batches={m})"
@@ -272,7 +273,7 @@ def _check_remat(remat: Sequence[bool] | bool, count: int, count_text: str) -> l
             raise ParamsError(f"remat[{k}]={r!r} is invalid: it must be True or False")
     return [bool(r) for r in remat]
 
-def _simulate(order: ScheduleOrder, m: int, forward_cost: list[float], backward_cost: list[float]) -> list[Cell]:
+def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> list[Cell]:
     """Every cell of `order` at its start: when its dependencies have ended and its device is free, the device
     taking the cell that became ready first (ties: backward first, then the lower micro-batch and stage).
 
@@ -280,7 +281,7 @@ def _simulate(order: ScheduleOrder, m: int, forward_cost: list[float], backward_
     no earlier, so nothing committed later could have started before it on the same device.
     """
     k, stages = order.num_devices, order.num_stages
-    keys = [(phase, s, i) for s in range(stages) for i in range(m) for phase in (FORWARD, BACKWARD)]
+    keys = [(phase, s, i) for s in range(stages) for i in range(m) for phase in order.phases]
     deps = {key: order.dependencies(*key, m) for key in keys}
     dependents: dict[tuple, list[tuple]] = {key: [] for key in keys}
     for key, needs in deps.items():
@@ -292,14 +293,14 @@ def _simulate(order: ScheduleOrder, m: int, forward_cost: list[float], backward_
 
     def priority(key: tuple) -> tuple:
         phase, s, i = key
-        return max(free[order.device(s)], ready[key]), ready[key], phase != BACKWARD, i, s
+        return max(free[order.device(s)], ready[key]), phase == WEIGHT, ready[key], phase != BACKWARD, i, s
 
     while ready:
         key = min(ready, key=priority)
         phase, s, i = key
         d = order.device(s)
         start = max(free[d], ready.pop(key))
-        ends[key] = free[d] = start + (forward_cost[s] if phase == FORWARD else backward_cost[s])
+        ends[key] = free[d] = start + costs[phase][s]
         cells.append(Cell(d, i, phase, start, ends[key], s // k))
         for waiting in dependents[key]:
             missing[waiting] -= 1
@@ -314,12 +315,14 @@ def _simulate(order: ScheduleOrder, m: int, forward_cost: list[float], backward_
 
 def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Sequence[float] | None = None,
             backward_ratio: float = 2.0, remat: Sequence[bool] | bool = False, *,
-            backward_costs: Sequence[float] | None = None) -> Timeline:
+            backward_costs: Sequence[float] | None = None, weight_fraction: float = 0.5) -> Timeline:
     """Simulates one step of a schedule's order and returns its timeline (see the module doc).
 
     F(s, i) costs stage_costs[s] (default 1.0 each); B(s, i) costs backward_ratio * stage_costs[s], plus
     stage_costs[s] again where stage s is rematerialized (its forward is recomputed inside the backward), or
-    backward_costs[s] when given (e.g. measured).
+    backward_costs[s] when given (e.g. measured). Where the order splits each backward into B and W
+    (`ScheduleOrder.weight_window`), W(s, i) costs weight_fraction of the backward without its recomputation and
+    B(s, i) the rest.
 
     Args:
       order: the schedule's order (`Schedule.step_order(K)`, or `orders.fill_drain(K)` etc.); an int K stands
@@ -330,6 +333,8 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
       backward_ratio: backward cost / forward cost of a stage.
       remat: whether each pipeline stage recomputes its forward in the backward; one bool applies to all.
       backward_costs: each pipeline stage's backward cost, instead of backward_ratio and remat.
+      weight_fraction: the share of a backward that its weight gradients take, in (0, 1); read only by orders
+        with separate W cells.
 
     Raises:
       ParamsError: an argument is out of range or has the wrong length.
@@ -346,7 +351,16 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
     backward_cost = [ratio * c + (c if r else 0.0) for c, r in zip(costs, recompute)]
     if backward_costs is not None:
         backward_cost = _check_costs(backward_costs, count, count_text, "backward_costs", "backward")
-    cells = _simulate(order, m, costs, backward_cost)
+    share = check_positive("weight_fraction", weight_fraction, "the weight gradients' share of a backward, < 1")
+    if share >= 1:
+        raise ParamsError(f"weight_fraction={weight_fraction!r} is invalid: it must be in (0, 1) (the weight "
+                          "gradients' share of a backward, e.g. 0.5)")
+    phase_costs = {FORWARD: costs, BACKWARD: backward_cost}
+    if WEIGHT in order.phases:
+        weight = [share * (b - (c if r and backward_costs is None else 0.0))
+                  for b, c, r in zip(backward_cost, costs, recompute)]
+        phase_costs = {FORWARD: costs, BACKWARD: [b - w for b, w in zip(backward_cost, weight)], WEIGHT: weight}
+    cells = _simulate(order, m, phase_costs)
     cells.sort(key=lambda c: (c.start, c.stage))
     makespan = max(c.end for c in cells)
     bubble = 1.0 - m * (sum(costs) + sum(backward_cost)) / (k * makespan)

@@ -54,6 +54,7 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
     head = list(loss.head_weights)
     input_gradient = job.input_gradient
     windows = order.in_flight
+    weight_windows = order.weight_window  # None: the token of a backward also waits for its weight gradients
     waits = {s: (t, lag) for s, t, lag in order.forward_waits}  # one forward ring per waiting stage
     waiting = sorted(waits)  # the stages with a forward ring, in loop-variable order
     fills = {}  # {stage t: [index into `waiting`]}: the rings the forward of t fills
@@ -76,7 +77,7 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
 
         def body(first: tf.Tensor, last: tf.Tensor, weights: tuple, head_w: tuple, rings: tuple,
                  sums: tuple, head_sums: tuple, values: tuple, *state: Any) -> tuple:
-            tokens, forward_rings = rings
+            tokens, forward_rings, weight_rings = rings
             new_forward_rings = list(forward_rings)
             aux_sums, arrays = state[:num_aux], state[num_aux:]
             first_next, index, h, micro_ctx = loop_parts.next_micro_batch(job, first, micro, bool(aux_spec))
@@ -86,6 +87,7 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
                     # Wait for the backward of micro-batch index - windows[s] on this stage (1F1B's order and
                     # its bound on stashes); the stage's own copy of its input stays on its device.
                     before = [tokens[s][0]] + ([forward_rings[waiting.index(s)][0]] if s in waits else [])
+                    before += [weight_rings[s][0]] if weight_windows else []
                     with tf.control_dependencies(before):
                         h = tf.nest.map_structure(tf.identity, h)
 
@@ -116,25 +118,36 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
                 head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(head_sums, grads[len(outs):]))
                 values = tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(values, names))
                 aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
-            new_sums, new_tokens = [None] * k, [None] * k
+            new_sums, new_tokens, new_weight_rings = [None] * k, [None] * k, [()] * k
             for s in reversed(range(k)):
                 with placement.on_stage(scopes[s]), tf.name_scope("backward"):
                     dx, dw = records[s].gradient(dy)
                     new_sums[s] = tuple(a + g for a, g in zip(sums[s], dw))
-                    with tf.control_dependencies(list(new_sums[s]) + list(dx)):
+                    # Split orders (B, then W): the next forwards wait for the input gradient (B) only, and for
+                    # the weight gradients (W) of weight_windows[s] micro-batches back through their own ring.
+                    # A first stage without an input gradient has no B: its token waits for W, as in 1F1B.
+                    split = bool(weight_windows) and bool(dx)
+                    with tf.control_dependencies(list(dx) if split else list(new_sums[s]) + list(dx)):
                         done = tf.identity(tokens[s][-1])
                     new_tokens[s] = tuple(tokens[s][1:]) + (done,)
+                    if weight_windows:
+                        with tf.control_dependencies(list(new_sums[s])):
+                            weight_done = tf.identity(weight_rings[s][-1])
+                        new_weight_rings[s] = tuple(weight_rings[s][1:]) + (weight_done,)
                     dy = dx
             if input_gradient:
                 with placement.on_stage(scopes[0]):
                     arrays = tuple(a.write(index, d) for a, d in zip(arrays, dy))
-            return (first_next, last_next, weights, head_w, (tuple(new_tokens), tuple(new_forward_rings)),
+            rings = (tuple(new_tokens), tuple(new_forward_rings), tuple(new_weight_rings))
+            return (first_next, last_next, weights, head_w, rings,
                     tuple(new_sums), head_sums, values, *aux_sums, *arrays)
 
-        initial_tokens, initial_sums = [], []
+        initial_tokens, initial_sums, initial_weight_rings = [], [], []
         for s in range(k):
             with tf.device(devices[s]):
                 initial_tokens.append(tuple(tf.constant(0) for _ in range(windows[s])))
+                initial_weight_rings.append(tuple(tf.constant(0) for _ in range(weight_windows[s]))
+                                            if weight_windows else ())
                 initial_sums.append(tuple(tf.zeros_like(w) for w in thetas[s]))
         initial_forward_rings = []
         for s in waiting:
@@ -150,7 +163,7 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
                            for x in xs) if input_gradient else ()
         out = loop_parts.host_loop(
             body, (*loop_parts.counters([devices[0], devices[-1]]), tuple(tuple(ws) for ws in thetas),
-                   tuple(head_ws), (tuple(initial_tokens), tuple(initial_forward_rings)),
+                   tuple(head_ws), (tuple(initial_tokens), tuple(initial_forward_rings), tuple(initial_weight_rings)),
                    tuple(initial_sums), head_zeros, value_zeros, *aux_zeros, *arrays), m, m)
         _, _, _, _, _, grad_sums, head_sums, values, *state = out
         if aux_spec:

@@ -17,13 +17,13 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from gpipe_tf.gpipe.timeline import BACKWARD, FORWARD, TRANSFER, Cell, Timeline, check_positive
+from gpipe_tf.gpipe.timeline import BACKWARD, FORWARD, TRANSFER, WEIGHT, Cell, Timeline, check_positive
 from gpipe_tf.hyperparams import ParamsError
 
 __all__ = ["PictureLayout", "render_text", "render_png", "image_tensor", "picture_layout", "title", "cell_color",
            "render_comparison_text", "render_comparison_png", "comparison_layout", "comparison_image_tensor",
-           "FORWARD_COLORS", "BACKWARD_COLORS", "TRANSFER_COLOR", "IDLE_COLOR", "GRID_COLOR", "TEXT_COLOR",
-           "LIGHT_TEXT_COLOR"]
+           "FORWARD_COLORS", "BACKWARD_COLORS", "WEIGHT_COLORS", "TRANSFER_COLOR", "IDLE_COLOR", "GRID_COLOR",
+           "TEXT_COLOR", "LIGHT_TEXT_COLOR"]
 
 
 # Two shades per phase, alternating with the micro-batch parity, so neighbouring cells stay distinguishable
@@ -31,6 +31,7 @@ __all__ = ["PictureLayout", "render_text", "render_png", "image_tensor", "pictur
 # (`cell_color`); transfers of measured timelines get a third hue.
 FORWARD_COLORS = ((110, 160, 230), (150, 190, 245))
 BACKWARD_COLORS = ((235, 140, 80), (245, 180, 125))
+WEIGHT_COLORS = ((175, 125, 215), (205, 170, 235))  # weight gradients, where an order splits them off (W)
 TRANSFER_COLOR = (140, 200, 140)
 IDLE_COLOR = (255, 255, 255)
 GRID_COLOR = (205, 205, 205)
@@ -191,6 +192,8 @@ def _render_text(timeline: Timeline, tick: float | None, prefix: str) -> str:
     keys = ["n = forward", "n' = backward"]
     if v > 1:
         keys.append(f"letter = chunk (a = 0; chunk c of device d is pipeline stage c*{timeline.num_stages} + d)")
+    if any(c.phase == WEIGHT for c in timeline.cells):
+        keys.append('n" = weight gradients')
     if any(c.phase == TRANSFER for c in timeline.cells):
         keys.append("~ = transfer")
     keys.append(". = idle")
@@ -205,7 +208,7 @@ def _render_text(timeline: Timeline, tick: float | None, prefix: str) -> str:
                 text.append(f"{'~':>{width}} ")
             else:
                 label = str(c.micro_batch) + (_chunk_letters(c.chunk) if v > 1 else "")
-                text.append(f"{label:>{width}}" + (" " if c.phase == FORWARD else "'"))
+                text.append(f"{label:>{width}}" + {FORWARD: " ", BACKWARD: "'", WEIGHT: '"'}[c.phase])
         lines.append(f"{_row_word(timeline)} {k:>{stage_width}} |{''.join(text)}|")
     return "\n".join(lines)
 
@@ -250,11 +253,11 @@ def render_comparison_text(predicted: Timeline, measured: Timeline) -> str:
 
 
 def cell_color(phase: str, micro_batch: int | None, chunk: int = 0, virtual_stages: int = 1) -> tuple[int, int, int]:
-    """The fill color of a cell: blue forward, orange backward in two shades alternating with the micro-batch's
-    parity; chunk c of v darker by 0.45 * c / (v-1) (chunk 0 keeps the plain shades); a transfer green."""
+    """The fill color of a cell: blue forward, orange backward, purple weight gradients, in two shades
+    alternating with the micro-batch's parity; chunk c of v darker by 0.45 * c / (v-1) (chunk 0 keeps the plain shades); a transfer green."""
     if phase == TRANSFER:
         return TRANSFER_COLOR
-    base = (FORWARD_COLORS if phase == FORWARD else BACKWARD_COLORS)[(micro_batch or 0) % 2]
+    base = {FORWARD: FORWARD_COLORS, BACKWARD: BACKWARD_COLORS, WEIGHT: WEIGHT_COLORS}[phase][(micro_batch or 0) % 2]
     if virtual_stages <= 1 or chunk == 0:
         return base
     keep = 1.0 - _CHUNK_DARKENING * chunk / (virtual_stages - 1)
@@ -398,6 +401,10 @@ def _legend(timelines: list[Timeline]) -> list[tuple[list[tuple[int, int, int]],
     backward = "backward of n" + (" (recomputes its forward)" if any(any(t.remat or ()) for t in timelines) else "")
     entries = [([cell_color(FORWARD, 0, c, v) for c in range(v)], forward),
                ([cell_color(BACKWARD, 0, c, v) for c in range(v)], backward)]
+    if any(c.phase == WEIGHT for t in timelines for c in t.cells):
+        backward = backward.replace("backward of n", "input gradient of n")
+        entries[1] = (entries[1][0], backward)
+        entries.append(([cell_color(WEIGHT, 0, c, v) for c in range(v)], "weight gradients of n"))
     if any(c.phase == TRANSFER for t in timelines for c in t.cells):
         entries.append(([TRANSFER_COLOR], "transfer"))
     entries.append(([IDLE_COLOR], "idle (the bubble)"))

@@ -13,6 +13,7 @@ from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
 from gpipe_tf.gpipe.unrolled import Unrolled
+from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.training import hparams
 from tests.helpers.event_files import session_hparams
@@ -21,9 +22,10 @@ from tests.helpers.paths import ROOT
 KEY = "toy.classifier.BlobsMlpGPipe"
 PATHS = {"fill_drain": "gpipe_tf.gpipe.fill_drain.FillDrain", "unrolled": "gpipe_tf.gpipe.unrolled.Unrolled",
          "one_f_one_b": "gpipe_tf.gpipe.one_f_one_b.OneForwardOneBackward",
-         "interleaved": "gpipe_tf.gpipe.interleaved.Interleaved"}
+         "interleaved": "gpipe_tf.gpipe.interleaved.Interleaved",
+         "zero_bubble": "gpipe_tf.gpipe.zero_bubble.ZeroBubble"}
 CLASSES = {"fill_drain": FillDrain, "unrolled": Unrolled, "one_f_one_b": OneForwardOneBackward,
-           "interleaved": Interleaved}
+           "interleaved": Interleaved, "zero_bubble": ZeroBubble}
 
 
 def _schedule(overrides="", bindings=(), key=KEY):
@@ -54,7 +56,7 @@ def test_the_new_class_fields_are_settable_after_it_in_the_same_string(form):
         _schedule("task.network.schedule=unrolled,task.network.schedule.parallel_iterations=2")
     # Nor have the schedules whose loop does not honour it (their loop runs M iterations at once, ordered by
     # their order data): 1F1B has no knob, Interleaved only virtual_stages.
-    for name in ("one_f_one_b", "interleaved"):
+    for name in ("one_f_one_b", "interleaved", "zero_bubble"):
         with pytest.raises(ParamsError, match="unknown param 'task.network.schedule.parallel_iterations'"):
             _schedule(f"task.network.schedule={name},task.network.schedule.parallel_iterations=2")
 

@@ -7,7 +7,8 @@ How a trace becomes cells:
   workers into steps, and the first step that starts and ends inside the trace window and parses is kept.
 * An op belongs to a pipeline stage by its name scope (``gpipe<id>_stage<s>``, `placement.stage_scope`), to the
   backward pass where its name says it is a gradient (``gradient_tape/``, ``gradients/``, ``_grad/``,
-  ``backward/``), else to the forward pass.
+  ``backward/``), else to the forward pass. Input and weight gradients carry the same names, so a zero-bubble
+  step's measured backward cells hold both B and W (its prediction splits them).
 * The loop schedules (fill_drain, one_f_one_b, interleaved) run the same ops once per micro-batch, in micro-batch
   order on every stage, backwards in the order's backward order (`ScheduleOrder.backward_micro_batch`: last to
   first for fill-drain): the n-th run of an op in a step belongs to the n-th micro-batch of that order.

@@ -266,7 +266,7 @@ def memory_worker(quick: bool) -> None:
                               compile_s=None, flops_fraction=None)), flush=True)
 
 
-TIMELINES = [("fill_drain", 2, 4), ("one_f_one_b", 2, 4), ("interleaved", 2, 4)]
+TIMELINES = [("fill_drain", 2, 4), ("one_f_one_b", 2, 4), ("interleaved", 2, 4), ("zero_bubble", 2, 4)]
 
 
 def timelines(args: argparse.Namespace) -> list[str]:

@@ -84,8 +84,8 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if "measured bubble" in line]
-    assert len(lines) == 3 and all("predicted" in line and "bound" in line for line in lines), run.stdout
-    for schedule, v in (("fill_drain", 1), ("one_f_one_b", 1), ("interleaved", 2)):
+    assert len(lines) == 4 and all("predicted" in line and "bound" in line for line in lines), run.stdout
+    for schedule, v in (("fill_drain", 1), ("one_f_one_b", 1), ("interleaved", 2), ("zero_bubble", 1)):
         cells = json.loads((out / f"timeline_{schedule}.json").read_text())["cells"]
         counted = collections.Counter((c["chunk"] * 2 + c["row"], c["micro_batch"], c["phase"]) for c in cells
                                       if c["phase"] != "T")

@@ -34,7 +34,7 @@ FORWARD = "F"
 BACKWARD = "B"
 WEIGHT = "W"
 
-Cell = tuple  # (phase, pipeline stage, micro-batch)
+CellKey = tuple  # (phase, pipeline stage, micro-batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +115,10 @@ class ScheduleOrder:
         """The cells of one stage and micro-batch: ('F', 'B'), and 'W' with separate weight gradients."""
         return (FORWARD, BACKWARD) if self.weight_window is None else (FORWARD, BACKWARD, WEIGHT)
 
-    def dependencies(self, phase: str, stage: int, micro_batch: int, num_micro_batches: int) -> list[Cell]:
+    def dependencies(self, phase: str, stage: int, micro_batch: int, num_micro_batches: int) -> list[CellKey]:
         """The cells (phase, stage, micro_batch) that must end before this one starts; see the module doc."""
         s, i, m, last = stage, micro_batch, num_micro_batches, self.num_stages - 1
-        deps: list[Cell] = []
+        deps: list[CellKey] = []
         if phase == WEIGHT:
             return [(BACKWARD, s, i)] + ([(WEIGHT, s, i - 1)] if i > 0 else [])
         if phase == FORWARD:

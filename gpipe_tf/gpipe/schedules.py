@@ -12,8 +12,8 @@ from gpipe_tf.gpipe.unrolled import Unrolled
 from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
-__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "SCHEDULES", "schedule_params",
-           "schedule_name", "virtual_stages"]
+__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "SCHEDULES",
+           "schedule_params", "schedule_name", "virtual_stages"]
 
 # Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its
 # class's default Params. Each class gives its own (`Schedule.short_names`); importing them all here fills the table.

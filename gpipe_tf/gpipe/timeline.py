@@ -2,12 +2,14 @@
 
 `predict` simulates one step of a schedule's order (`orders.ScheduleOrder`, the same data the schedule's loop is
 built from): every device runs one cell (a forward 'F' or backward 'B' of one micro-batch on one pipeline
-stage) at a time, each cell as soon as its dependencies in the order have ended and its device is free, the
-device taking the cell that became ready first (a backward before a forward that became ready at the same
-instant), as a TensorFlow worker runs ops as their inputs arrive. For fill-drain and 1F1B, equal stage costs
-give exactly GPipe's bubble (K-1)/(M+K-1), whatever the backward/forward ratio; interleaving v chunks per device
-lowers the bound to (K-1)/(vM+K-1). Unbalanced stages or per-stage rematerialization do worse, and `predict`
-shows by how much before anything is run.
+stage, and for zero-bubble orders its weight gradients 'W' apart from B) at a time, each cell as soon as its
+dependencies in the order have ended and its device is free, the device taking the cell that became ready
+first (a backward before a forward that became ready at the same instant, W last), as a TensorFlow worker runs
+ops as their inputs arrive. For fill-drain and 1F1B, equal stage costs give exactly GPipe's bubble
+(K-1)/(M+K-1), whatever the backward/forward ratio; interleaving v chunks per device lowers the bound to
+(K-1)/(vM+K-1) (reached at K=2), and zero-bubble orders go below GPipe's bound by running W in the
+bubbles. Unbalanced stages or per-stage rematerialization do worse, and `predict` shows by how much before
+anything is run.
 
 `Timeline.measured` builds the same structure from measured cells (seconds), transfers ('T') included, so a
 profiled step can be drawn next to its prediction (`gpipe_tf.training.timeline_pictures` draws both).
@@ -275,7 +277,9 @@ def _check_remat(remat: Sequence[bool] | bool, count: int, count_text: str) -> l
 
 def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> list[Cell]:
     """Every cell of `order` at its start: when its dependencies have ended and its device is free, the device
-    taking the cell that became ready first (ties: backward first, then the lower micro-batch and stage).
+    taking the cell that became ready first. Ties, and weight gradients (W, off the critical path): a device
+    takes F and B before W when both can start at once, then the cell ready first, a backward before a
+    forward, the lower micro-batch and stage.
 
     Committing the cell that can start earliest is final: any cell not yet ready waits for a cell that starts
     no earlier, so nothing committed later could have started before it on the same device.

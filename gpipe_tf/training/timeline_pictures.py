@@ -254,7 +254,8 @@ def render_comparison_text(predicted: Timeline, measured: Timeline) -> str:
 
 def cell_color(phase: str, micro_batch: int | None, chunk: int = 0, virtual_stages: int = 1) -> tuple[int, int, int]:
     """The fill color of a cell: blue forward, orange backward, purple weight gradients, in two shades
-    alternating with the micro-batch's parity; chunk c of v darker by 0.45 * c / (v-1) (chunk 0 keeps the plain shades); a transfer green."""
+    alternating with the micro-batch's parity; chunk c of v darker by 0.45 * c / (v-1) (chunk 0 keeps the plain
+    shades); a transfer green."""
     if phase == TRANSFER:
         return TRANSFER_COLOR
     base = {FORWARD: FORWARD_COLORS, BACKWARD: BACKWARD_COLORS, WEIGHT: WEIGHT_COLORS}[phase][(micro_batch or 0) % 2]

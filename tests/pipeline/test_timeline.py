@@ -1,5 +1,5 @@
-"""Pipeline timelines: the predicted fill-drain, 1F1B and interleaved schedules (bubble, order, dependencies, remat
-costs, in-flight micro-batches), measured timelines, and their text and PNG pictures."""
+"""Pipeline timelines: the predicted fill-drain, 1F1B, interleaved and zero-bubble schedules (bubble, order,
+dependencies, remat costs, in-flight micro-batches), measured timelines, and their text and PNG pictures."""
 
 import dataclasses
 import itertools

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan, TimingRequired, make_plan
+from gpipe_tf.gpipe.schedules import virtual_stages
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.layers.base_layer import BaseLayer
 
@@ -151,7 +152,8 @@ def inspect(params: Params, overrides: dict[str, Any] | None = None) -> dict[str
         report.update(pipeline=path, num_micro_batches=pipe.num_micro_batches, remat=pipe.remat, balance=None,
                       cost_kind=None, note=None, estimate_notes=[])
         try:
-            plan = make_plan(pipe, num_replicas=None, measure=None, path=path)
+            plan = make_plan(pipe, virtual_stages=virtual_stages(pipe.schedule, pipe.num_stages, path),
+                             num_replicas=None, measure=None, path=path)
         except TimingRequired as e:
             report["note"] = str(e)
             return report

@@ -13,11 +13,13 @@ from typing import Callable
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import timeline
+from gpipe_tf.gpipe import orders, timeline
+from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.schedules import schedule_name
 from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.training import timeline_pictures
 from gpipe_tf.training.summaries import SummaryWriter
 
 
@@ -27,26 +29,26 @@ def pipelines(module: tf.Module) -> list[GPipe]:
     return found + [m for m in module.submodules if isinstance(m, GPipe)]
 
 
-def predicted_timeline(plan: StagePlan, num_micro_batches: int, schedule: str = timeline.FILL_DRAIN,
-                       virtual_stages: int = 1) -> timeline.Timeline:
-    """The timeline of `schedule` (one of `timeline.SCHEDULES`) predicted from a stage plan: its per-stage costs
-    (equal stages where an explicit balance computed none) and its per-stage remat decisions.
+def predicted_timeline(plan: StagePlan, num_micro_batches: int,
+                       order: ScheduleOrder | None = None) -> timeline.Timeline:
+    """The timeline of a schedule's order (`Schedule.step_order(K)`; None: fill-drain) predicted from a stage plan:
+    its per-stage costs (equal stages where an explicit balance computed none) and its per-stage remat decisions.
 
-    For the interleaved schedule the plan has one stage per pipeline stage, K * virtual_stages of them in
-    pipeline order (chunk c of device d is stage c*K + d), and the timeline has K rows.
+    The plan has one stage per pipeline stage of the order, K * v of them in pipeline order (chunk c of device d
+    is stage c*K + d), and the timeline has K rows.
     """
-    schedule, v = timeline.check_schedule(schedule, virtual_stages)
-    if plan.num_chunks % v:
-        raise ParamsError(f"virtual_stages={v} does not divide the plan's {plan.num_chunks} stages: an interleaved "
-                          "plan has K * virtual_stages stages; plan K * virtual_stages stages or change "
-                          "virtual_stages")
+    if order is None:
+        order = orders.fill_drain(plan.num_chunks)
+    if order.num_stages != plan.num_chunks:
+        raise ParamsError(f"the {order.name} order has {order.num_stages} pipeline stages (K={order.num_devices} x "
+                          f"v={order.virtual_stages}) but the plan has {plan.num_chunks}: plan with "
+                          f"virtual_stages={order.virtual_stages}, or pass the order of the schedule the plan is for")
     costs = plan.stage_costs()
     if costs is not None:
         costs = [max(c, 1e-12) for c in costs]
         total = sum(costs)
         costs = [c / total for c in costs]
-    return timeline.predict(plan.num_chunks // v, num_micro_batches, costs, remat=list(plan.remat),
-                            schedule=schedule, virtual_stages=v)
+    return timeline.predict(order, num_micro_batches, costs, remat=list(plan.remat))
 
 
 def shared_device_warnings(task: tf.Module) -> list[str]:
@@ -84,16 +86,17 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
         return
     tables, texts = [], []
     for pipe in pipes:
-        predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches, pipe.schedule.order,
-                                       pipe.plan.virtual_stages)
+        predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches,
+                                       pipe.schedule.step_order(pipe.plan.num_devices))
         tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat} "
                       f"schedule={schedule_name(pipe.p.schedule)}\n" + pipe.partition_table())
-        texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))
+        texts.append(f"# {pipe.path}\n" + timeline_pictures.render_text(predicted))
         png_name = "timeline.png" if len(pipes) == 1 else f"timeline_{pipe.path.replace('/', '.')}.png"
         schedule = type(pipe.schedule).__name__
         with open(os.path.join(logdir, png_name), "wb") as f:
-            f.write(timeline.render_png(predicted, schedule=schedule))
-        writer.image(step, f"pipeline_timeline/{pipe.path}", timeline.image_tensor(predicted, schedule=schedule))
+            f.write(timeline_pictures.render_png(predicted, schedule=schedule))
+        writer.image(step, f"pipeline_timeline/{pipe.path}",
+                     timeline_pictures.image_tensor(predicted, schedule=schedule))
     table_text, timeline_text = "\n\n".join(tables), "\n\n".join(texts)
     for name, text in (("partition.txt", table_text), ("timeline.txt", timeline_text)):
         with open(os.path.join(logdir, name), "w", encoding="utf-8") as f:

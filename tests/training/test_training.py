@@ -65,7 +65,7 @@ def test_pipelined_experiment_writes_partition_table_and_timeline_picture(tmp_pa
     Controller(params, logdir, log=lambda s: None).train()
     table = open(f"{logdir}/partition.txt").read()
     assert "layer_0 .. layer_" in table and "/device:CPU:1" in table
-    assert "GPipe schedule K=2 M=4" in open(f"{logdir}/timeline.txt").read()
+    assert "GPipe schedule fill_drain K=2 M=4" in open(f"{logdir}/timeline.txt").read()
     image = tf.io.decode_png(open(f"{logdir}/timeline.png", "rb").read())
     assert image.shape[0] > 0 and image.shape[2] == 3
     tags = set()

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, fprop_dtype_of, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, fprop_dtype_of, num_elements
 
 
 class Embedding(BaseLayer):
@@ -59,3 +59,12 @@ class Embedding(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """A gather: one copy per output element."""
         return float(num_elements(input_spec) * p.embedding_dim)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The gathered rows (the gather's gradient reads only the ids), plus the scaled copy with scale_sqrt_depth;
+        in mixed precision also the float32 rows before their cast."""
+        out = cls.output_spec(p, input_spec)
+        rows = elements_bytes(out, p.dtype or "float32")
+        kept = elements_bytes(out) * (2 if p.scale_sqrt_depth else 1)
+        return kept + (rows if tf.as_dtype(p.dtype or "float32") != tf.as_dtype(out.dtype) else 0)

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements, sensitive_dtype
 
 
 class LayerNorm(BaseLayer):
@@ -58,3 +58,12 @@ class LayerNorm(BaseLayer):
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
         """Unchanged shape and dtype."""
         return input_spec
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """x - mean, the normalized x (the multiplies' gradients read both operands) and the output; a
+        half-precision input also keeps its float32 copy (read by the moments' gradient) and the half output."""
+        wide = elements_bytes(input_spec, sensitive_dtype(input_spec.dtype))
+        if sensitive_dtype(input_spec.dtype) == tf.as_dtype(input_spec.dtype):
+            return 3 * wide
+        return 3 * wide + elements_bytes(input_spec)

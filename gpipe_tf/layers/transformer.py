@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.attention import FeedForward, MultiHeadAttention, causal_bias, padding_bias
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.normalization import LayerNorm
 
@@ -35,6 +35,15 @@ def residual_block(layer: BaseLayer, theta: Mapping[str, Any], x: tf.Tensor, blo
         return x + dropout.fprop(theta[dropout_name], out, ctx)
     out = block_fn(x)
     return ln.fprop(theta[ln_name], x + dropout.fprop(theta[dropout_name], out, ctx), ctx)
+
+
+def block_activation_bytes(children: dict[str, InstantiableParams], input_spec: Any, num_blocks: int) -> int:
+    """Activation bytes of an encoder or decoder layer: its children's on x's spec (attention over x itself),
+    `num_blocks` residual sums, and the [B, 1, 1, T] attention bias when paddings come along."""
+    x_spec, paddings = _split_inputs(input_spec)
+    total = sum(cp.cls.activation_bytes(cp, x_spec) for cp in children.values())
+    bias = 0 if paddings is None else elements_bytes(paddings, "float32")
+    return total + num_blocks * elements_bytes(x_spec) + bias
 
 
 def define_block_params(p: InstantiableParams) -> InstantiableParams:
@@ -134,3 +143,8 @@ class TransformerEncoderLayer(BaseLayer):
         """Sum of the children's flops on x's spec (`input_spec` is x's spec or the (x, paddings) specs)."""
         x_spec, _ = _split_inputs(input_spec)
         return sum(cp.cls.flops(cp, x_spec) for cp in cls._child_params(p).values())
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Sum of the children on x's spec, plus the two residual sums (and, with paddings, the attention bias)."""
+        return block_activation_bytes(cls._child_params(p), input_spec, 2)

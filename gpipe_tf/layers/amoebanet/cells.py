@@ -22,7 +22,7 @@ from gpipe_tf.layers.amoebanet.drop_path import DropPath
 from gpipe_tf.layers.amoebanet.genotypes import cell_genotype
 from gpipe_tf.layers.amoebanet.ops import ReluConvBN, op_params
 from gpipe_tf.layers.amoebanet.reduction import FactorizedReduction
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 
 SKIP_MODES = ("none", "same", "reduce")
 
@@ -125,8 +125,10 @@ class Cell(BaseLayer):
 
     @classmethod
     def _trace_specs(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec],
-                     flops: list[float] | None) -> tuple[tf.TensorSpec, tf.TensorSpec]:
-        """Runs `_wire` on TensorSpecs, appending each step's flops to `flops` unless it is None."""
+                     flops: list[float] | None, kept: list[int] | None = None
+                     ) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+        """Runs `_wire` on TensorSpecs, appending each step's flops to `flops` and its activation bytes to `kept`
+        unless they are None."""
         children = cls.children_params(p)
         if p.skip_mode != "none" and "skip" not in children and input_spec[1].shape[-1] != p.filters:
             raise ParamsError(f"Cell expects h[i-2] with {p.filters} channels, got shape {input_spec[1].shape}")
@@ -135,6 +137,8 @@ class Cell(BaseLayer):
             cp = children[name]
             if flops is not None:
                 flops.append(cp.cls.flops(cp, spec))
+            if kept is not None:
+                kept.append(cp.cls.activation_bytes(cp, spec))
             return cp.cls.output_spec(cp, spec)
 
         def add(a: tf.TensorSpec, b: tf.TensorSpec) -> tf.TensorSpec:
@@ -144,6 +148,8 @@ class Cell(BaseLayer):
                                   f"{p.skip_mode!r} says?")
             if flops is not None:
                 flops.append(float(num_elements(a)))
+            if kept is not None:
+                kept.append(elements_bytes(a))
             return a
 
         def concat(specs: list[tf.TensorSpec]) -> tf.TensorSpec:
@@ -151,7 +157,10 @@ class Cell(BaseLayer):
                 raise ParamsError(f"Cell (genotype {p.genotype}): concatenated states have different grids: "
                                   f"{[s.shape for s in specs]}")
             channels = sum(int(s.shape[-1]) for s in specs)
-            return tf.TensorSpec(specs[0].shape[:-1].concatenate([channels]), specs[0].dtype)
+            out = tf.TensorSpec(specs[0].shape[:-1].concatenate([channels]), specs[0].dtype)
+            if kept is not None:
+                kept.append(elements_bytes(out))
+            return out
 
         return cls._wire(p, tuple(input_spec), apply, add, concat)
 
@@ -167,3 +176,10 @@ class Cell(BaseLayer):
         flops: list[float] = []
         cls._trace_specs(p, input_spec, flops)
         return float(sum(flops))
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]) -> int:
+        """Sum over the operations and input adjustments, plus each block's sum and the concatenated output."""
+        kept: list[int] = []
+        cls._trace_specs(p, input_spec, None, kept)
+        return sum(kept)

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.amoebanet.conv import Conv2D, DepthwiseConv2D, as_pair, check_channels, output_hw
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 from gpipe_tf.layers.batch_norm import BatchNorm
 
 OP_NAMES = ("sep3", "sep5", "sep7", "dil2sep5", "c1x7_7x1", "c3x3", "c1x1", "id", "avg3", "max3", "max2")
@@ -65,12 +65,29 @@ class ReluConvBN(BaseLayer):
         bn = BatchNorm.params().set(dim=p.output_dim)
         return relu + Conv2D.flops(cls._conv(p), input_spec) + BatchNorm.flops(bn, out)
 
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The ReLU's output (its gradient reads it), the conv's (the batch norm reads it) and the batch norm's."""
+        out = cls.output_spec(p, input_spec)
+        relu = elements_bytes(input_spec) if p.relu else 0
+        bn = BatchNorm.params().set(dim=p.output_dim)
+        return relu + Conv2D.activation_bytes(cls._conv(p), input_spec) + BatchNorm.activation_bytes(bn, out)
+
 
 def _chain_spec(parts: list[tuple[type, InstantiableParams]], input_spec: tf.TensorSpec) -> tf.TensorSpec:
     """Output spec of sub-layers applied in sequence."""
     for cls, p in parts:
         input_spec = cls.output_spec(p, input_spec)
     return input_spec
+
+
+def _chain_activation_bytes(parts: list[tuple[type, InstantiableParams]], input_spec: tf.TensorSpec) -> int:
+    """Total activation bytes of sub-layers applied in sequence."""
+    total = 0
+    for cls, p in parts:
+        total += cls.activation_bytes(p, input_spec)
+        input_spec = cls.output_spec(p, input_spec)
+    return total
 
 
 def _chain_flops(parts: list[tuple[type, InstantiableParams]], input_spec: tf.TensorSpec) -> float:
@@ -140,6 +157,17 @@ class SepConv(BaseLayer):
             spec = c.output_spec(cp, spec)
         return total
 
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Per repeat: the ReLU's output, the depthwise, pointwise and batch norm outputs."""
+        total, spec = 0, input_spec
+        for name, c, cp in cls._parts(p):
+            if name.startswith("depthwise"):
+                total += elements_bytes(spec)
+            total += c.activation_bytes(cp, spec)
+            spec = c.output_spec(cp, spec)
+        return total
+
 
 class Bottleneck(BaseLayer):
     """c1x7_7x1 and c3x3: ReLU-conv-BN units 1x1 to fs/4, then each kernel in `kernels`, then 1x1 to fs.
@@ -196,6 +224,11 @@ class Bottleneck(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """Sum over the units."""
         return _chain_flops([(ReluConvBN, cp) for cp in cls._parts(p)], input_spec)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Sum over the four ReluConvBN units."""
+        return _chain_activation_bytes([(ReluConvBN, cp) for cp in cls._parts(p)], input_spec)
 
 
 class Pool(BaseLayer):
@@ -265,6 +298,14 @@ class Pool(BaseLayer):
         extra = 0.0 if projection is None else ReluConvBN.flops(projection, pooled)
         return float(num_elements(pooled) * p.window * p.window) + extra
 
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The pooled output (max pooling's gradient reads it and the input), plus the projection's."""
+        pooled = cls._pooled_spec(p, input_spec)
+        projection = cls._projection(p)
+        extra = 0 if projection is None else ReluConvBN.activation_bytes(projection, pooled)
+        return elements_bytes(pooled) + extra
+
 
 class Identity(BaseLayer):
     """id with stride 1 and matching channels: returns its input."""
@@ -287,6 +328,11 @@ class Identity(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """None."""
         return 0.0
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Nothing: the input passes through."""
+        return 0
 
 
 def op_params(name: str, input_dim: int, filters: int, stride: int) -> InstantiableParams:

@@ -17,30 +17,39 @@ from gpipe_tf.gpipe.plan import make_plan
 from gpipe_tf.gpipe.schedules import SCHEDULES, schedule_params
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.memory import stage as stage_lib
+from gpipe_tf.memory.stage import OptimizerMemory
 from gpipe_tf.memory.stash import stashed_micro_batches
 
 
-def optimizer_slot_copies(optimizer: Params) -> float:
-    """Slot variables per weight of the optimizer `optimizer` describes: SGD 0 (1 with momentum), Adam and AdamW 2,
-    RMSProp 1 (+1 centered, +1 with momentum), Adafactor (factored) ~0: its second moment is rows + columns of
-    each matrix, under 1% of the weights for matrices wider than 200 (+1 with a first moment, beta1 > 0)."""
+def optimizer_memory(optimizer: Params) -> OptimizerMemory:
+    """By the optimizer's class name: SGD 0 slots (momentum: 1 slot, 1 early and 1 update temporary: momentum * v),
+    RMSProp 1 slot (+1 centered, +1 momentum; decay * ms early; 2 at the update: it and lr * g / sqrt(ms)),
+    Adam and AdamW 2 slots (b1 m and b2 v early; 3 at the update), Adafactor (factored) ~0 slots: its second moment
+    is rows + columns of each matrix, under 1% of the weights for matrices wider than 200 (+1 with beta1 > 0;
+    temporaries counted as RMSProp's)."""
     cls = getattr(optimizer, "cls", None)
-    name = (cls.__name__ if isinstance(cls, type) else str(optimizer.get("name") if "name" in optimizer else ""))
+    name = cls.__name__ if isinstance(cls, type) else str(optimizer.get("name") if "name" in optimizer else "")
     kind = name.lower()
 
     def field(key: str, default: Any = 0.0) -> Any:
         return optimizer.get(key) if key in optimizer else default
 
     if kind == "sgd":
-        return 1.0 if field("momentum") else 0.0
+        return OptimizerMemory(1.0, 1.0, 1.0) if field("momentum") else OptimizerMemory(0.0, 0.0, 0.0)
     if kind in ("adam", "adamw"):
-        return 2.0
+        return OptimizerMemory(2.0, 2.0, 3.0)
     if kind == "rmsprop":
-        return 1.0 + bool(field("centered", False)) + bool(field("momentum"))
+        extra = bool(field("centered", False))
+        return OptimizerMemory(1.0 + extra + bool(field("momentum")), 1.0 + extra, 2.0 + extra)
     if kind == "adafactor":
-        return 1.0 if field("beta1") else 0.0
-    raise ConfigError(f"memory plan: optimizer {name!r} has no slot count; known: SGD, Adam, AdamW, RMSProp, "
+        return OptimizerMemory(1.0 if field("beta1") else 0.0, 1.0, 2.0)
+    raise ConfigError(f"memory plan: optimizer {name!r} has no memory model; known: SGD, Adam, AdamW, RMSProp, "
                       "Adafactor")
+
+
+def optimizer_slot_copies(optimizer: Params) -> float:
+    """Slot variables per weight of the optimizer `optimizer` describes (`optimizer_memory`)."""
+    return optimizer_memory(optimizer).slots
 
 
 def _schedule_name(pipe: InstantiableParams, path: str) -> str:
@@ -71,7 +80,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
     stashes = stashed_micro_batches(schedule, k, m, v)
     var_dtype = tf.as_dtype(pipe.dtype or "float32")
     compute = tf.as_dtype(pipe.fprop_dtype or var_dtype.name)
-    slots = optimizer_slot_copies(train.optimizer)
+    opt = optimizer_memory(train.optimizer)
     ema = bool(train.get("ema_decay")) if "ema_decay" in train else False
     spec = stage_lib.compute_spec(tf.TensorSpec(pipe.micro_batch_shape, pipe.input_dtype), compute.name)
     layers = list(pipe.layers)
@@ -82,7 +91,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         setting = stage_lib.StageSetting(
             micro_batches=m, stashed=stashes[s], remat=plan.remat[s], first=s == 0, last=s == plan.num_chunks - 1,
             outputs_kept=s == plan.num_chunks - 1 and schedule in ("fill_drain", "unrolled"),
-            variable_bytes=var_dtype.size, compute_bytes=compute.size, slot_copies=slots, ema=ema)
+            variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema)
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
         spec = traces[-1].output_spec
     devices = []
@@ -96,6 +105,6 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         devices.append(row)
     fits = None if device_memory is None else all(r["fits"] for r in devices)
     return {"schedule": schedule, "num_devices": k, "virtual_stages": v, "num_micro_batches": m,
-            "remat": pipe.remat, "compute_dtype": compute.name, "optimizer_slot_copies": slots, "ema": ema,
+            "remat": pipe.remat, "compute_dtype": compute.name, "optimizer_slot_copies": opt.slots, "ema": ema,
             "device_memory": device_memory, "fits": fits, "devices": devices,
             "max_peak": max(r["peak"] for r in devices)}

@@ -26,6 +26,17 @@ from gpipe_tf.layers.base_layer import spec_bytes
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimizerMemory:
+    """An optimizer's memory in copies of the weights: its slots, the weight-sized temporaries of its update that
+    read only variables (a graph step computes them at once, so they are alive through the whole backward pass),
+    and all the weight-sized temporaries its update holds at once (none that could reuse a gradient's buffer)."""
+
+    slots: float
+    early: float
+    update: float
+
+
+@dataclasses.dataclass(frozen=True)
 class StageMemory:
     """Bytes one stage holds, by kind; `peak` is their sum at the start of the backward pass."""
 
@@ -37,14 +48,16 @@ class StageMemory:
     stashed_activations: int
     recompute: int
     boundary_buffers: int
-    working: int
+    backward_working: int
+    optimizer_update: int
     stashed_micro_batches: int
 
     @property
     def peak(self) -> int:
-        """Predicted peak bytes of the stage."""
-        return (self.weights + self.gradient_sums + self.optimizer_slots + self.ema + self.stashed_activations
-                + self.recompute + self.boundary_buffers + self.working)
+        """Predicted peak bytes: what persists, plus the larger of the backward pass's and the update's needs."""
+        backward = self.stashed_activations + self.recompute + self.backward_working
+        return (self.weights + self.gradient_sums + self.optimizer_slots + self.ema + self.boundary_buffers
+                + max(backward, self.optimizer_update))
 
     def as_dict(self) -> dict[str, int]:
         """The fields and the peak, for JSON."""
@@ -94,7 +107,7 @@ class StageSetting:
     outputs_kept: bool  # a fill-drain last stage keeps every micro-batch's output and its gradient
     variable_bytes: int = 4  # bytes per variable element (float32)
     compute_bytes: int = 4  # bytes per element of the compute dtype
-    slot_copies: float = 0.0  # optimizer slots, in copies of the weights
+    optimizer: OptimizerMemory = OptimizerMemory(0.0, 0.0, 0.0)
     ema: bool = False
 
 
@@ -112,12 +125,17 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     recompute = activations + cast_weights if setting.remat else 0
     received = setting.micro_batches * in_bytes if setting.first else in_bytes
     sent = 2 * setting.micro_batches * out_bytes if setting.outputs_kept else 2 * out_bytes
-    boundary = received + sent + in_bytes  # + the input gradient the stage sends back
-    largest = max([t.activation_bytes for t in traces] + [in_bytes, out_bytes])
-    working = weights + largest
+    boundary = received + sent + (0 if setting.first else in_bytes)  # + the input gradient sent back
+    # The backward pass computes one layer's weight gradients at a time and adds them to the sums; the activation
+    # gradients flowing through the largest layer; the optimizer's temporaries that read only variables.
+    largest_layer = max([t.params for t in traces] + [0]) * setting.variable_bytes
+    largest_activation = max([t.activation_bytes for t in traces] + [in_bytes, out_bytes])
+    opt = setting.optimizer
+    backward_working = largest_layer + largest_activation + int(opt.early * weights)
     return StageMemory(params=params, weights=weights, gradient_sums=weights,
-                       optimizer_slots=int(setting.slot_copies * weights), ema=weights if setting.ema else 0,
-                       stashed_activations=stash, recompute=recompute, boundary_buffers=boundary, working=working,
+                       optimizer_slots=int(opt.slots * weights), ema=weights if setting.ema else 0,
+                       stashed_activations=stash, recompute=recompute, boundary_buffers=boundary,
+                       backward_working=backward_working, optimizer_update=int(opt.update * weights),
                        stashed_micro_batches=setting.stashed)
 
 

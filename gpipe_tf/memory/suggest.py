@@ -36,7 +36,7 @@ def candidate_changes(pipe: InstantiableParams) -> list[list[Change]]:
     groups: list[list[Change]] = []
     from gpipe_tf.gpipe.schedules import schedule_params
     if schedule_params(pipe.schedule).cls.__name__ in ("FillDrain", "Unrolled"):
-        groups.append([("schedule='one_f_one_b'", {"schedule": "one_f_one_b"})])
+        groups.append([("schedule 1F1B", {"schedule.cls": "gpipe_tf.gpipe.one_f_one_b.OneForwardOneBackward"})])
     groups.append(_micro_batch_changes(pipe))
     if pipe.remat != "always":
         groups.append([("remat='always'", {"remat": "always"})])
@@ -51,11 +51,22 @@ def candidate_changes(pipe: InstantiableParams) -> list[list[Change]]:
     return [g for g in groups if g]
 
 
+def _text(value: Any) -> str:
+    """A value as --params writes it: class paths bare, strings quoted."""
+    if isinstance(value, str) and value.startswith("gpipe_tf."):
+        return value
+    return repr(value)
+
+
 def _apply(pipe: InstantiableParams, changes: list[Change]) -> InstantiableParams:
     new = pipe.copy()
     for _, fields in changes:
         for key, value in fields.items():
-            new.set(**{key: value})
+            if key == "schedule.cls":
+                from gpipe_tf.gpipe.schedules import SCHEDULES
+                new.schedule = SCHEDULES["one_f_one_b"].params()
+            else:
+                new.set(**{key: value})
     return new
 
 
@@ -74,6 +85,6 @@ def suggest(pipe: InstantiableParams, train: Params, device_memory: int, path: s
         except (ConfigError, ValueError):
             continue  # e.g. more stages than the balance allows: not a candidate
         if plan["fits"]:
-            text = ",".join(f"{path}.{key}={value!r}" for _, fields in changes for key, value in fields.items())
+            text = ",".join(f"{path}.{key}={_text(value)}" for _, fields in changes for key, value in fields.items())
             return {"change": " and ".join(d for d, _ in changes), "params": text, "max_peak": plan["max_peak"]}
     return None

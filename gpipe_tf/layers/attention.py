@@ -194,8 +194,8 @@ class MultiHeadAttention(BaseLayer):
 
     @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
-        """q, k, v, the scaled q (einsum and multiply gradients read their operands), the softmax output [B, H, Tq,
-        Tk] (its gradient reads it; in float32 for half inputs, plus the cast copy), the attention dropout's, the
+        """The scaled q, k and v (the einsums' gradients read their operands), the softmax output [B, H, Tq, Tk]
+        (its gradient reads it; in float32 for half inputs, plus the cast copy), the attention dropout's, the
         context and the output projection's output."""
         query, memory, _ = _unpack_attention_inputs(input_spec)
         batch, tq = _static_dim(query, 0, "batch size"), _static_dim(query, 1, "query length")
@@ -207,7 +207,7 @@ class MultiHeadAttention(BaseLayer):
         probs = probs_elems * wide + (probs_elems * size if wide != size else 0)
         dropout = Dropout.activation_bytes(cls._child_params(p)["atten_dropout"],
                                            tf.TensorSpec([batch, p.num_heads, tq, tk], query.dtype))
-        q_k_v = (2 * tq + 2 * tk) * batch * inner * size  # q, the scaled q, k, v
+        q_k_v = (tq + 2 * tk) * batch * inner * size  # the scaled q, k, v (scaling by a constant keeps nothing)
         return q_k_v + probs + dropout + batch * tq * inner * size + batch * tq * p.model_dim * size
 
 

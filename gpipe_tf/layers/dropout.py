@@ -58,9 +58,9 @@ class Dropout(BaseLayer):
 
     @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
-        """In training with rate > 0: the keep mask, the masked input and the output (the multiply's and the divide's
-        gradients read both operands); with rate 0 the input passes through and nothing is kept."""
-        return 0 if p.rate == 0.0 else 3 * elements_bytes(input_spec)
+        """In training with rate > 0: the keep mask (the multiply's gradient reads it) and the output (a divide by a
+        constant keeps nothing of its input); with rate 0 the input passes through and nothing is kept."""
+        return 0 if p.rate == 0.0 else 2 * elements_bytes(input_spec)
 
     @classmethod
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:

@@ -62,9 +62,6 @@ class Embedding(BaseLayer):
 
     @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
-        """The gathered rows (the gather's gradient reads only the ids), plus the scaled copy with scale_sqrt_depth;
-        in mixed precision also the float32 rows before their cast."""
-        out = cls.output_spec(p, input_spec)
-        rows = elements_bytes(out, p.dtype or "float32")
-        kept = elements_bytes(out) * (2 if p.scale_sqrt_depth else 1)
-        return kept + (rows if tf.as_dtype(p.dtype or "float32") != tf.as_dtype(out.dtype) else 0)
+        """The output only: the gather's gradient reads the ids, a cast's and a multiply by a constant's nothing of
+        their input."""
+        return elements_bytes(cls.output_spec(p, input_spec))

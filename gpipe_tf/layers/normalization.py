@@ -61,9 +61,10 @@ class LayerNorm(BaseLayer):
 
     @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
-        """x - mean, the normalized x (the multiplies' gradients read both operands) and the output; a
-        half-precision input also keeps its float32 copy (read by the moments' gradient) and the half output."""
+        """One normalized intermediate (x - mean times the inverse deviation, which the scale's gradient reads) and the
+        output: measured in graph mode, where TensorFlow's arithmetic rewrites keep one intermediate where the
+        written ops would keep two. A half-precision input also keeps its float32 copy and the float32 output."""
         wide = elements_bytes(input_spec, sensitive_dtype(input_spec.dtype))
         if sensitive_dtype(input_spec.dtype) == tf.as_dtype(input_spec.dtype):
-            return 3 * wide
+            return 2 * wide
         return 3 * wide + elements_bytes(input_spec)

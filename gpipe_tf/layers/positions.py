@@ -138,9 +138,8 @@ class TokenEmbeddingWithPositions(BaseLayer):
 
     @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
-        """The embedding's, the position-encoding table [T, dim], the sum, and the dropout's."""
+        """The sum of the embeddings and the position encodings (an add's gradient reads neither operand, so the
+        embedding's output goes), and the dropout's."""
         children = cls._child_params(p)
         out_spec = cls.output_spec(p, input_spec)
-        table = int(input_spec.shape[-1]) * p.embedding_dim * tf.as_dtype(out_spec.dtype).size
-        return (Embedding.activation_bytes(children["token_emb"], input_spec) + table + elements_bytes(out_spec)
-                + Dropout.activation_bytes(children["dropout"], out_spec))
+        return elements_bytes(out_spec) + Dropout.activation_bytes(children["dropout"], out_spec)

@@ -37,13 +37,15 @@ def residual_block(layer: BaseLayer, theta: Mapping[str, Any], x: tf.Tensor, blo
     return ln.fprop(theta[ln_name], x + dropout.fprop(theta[dropout_name], out, ctx), ctx)
 
 
-def block_activation_bytes(children: dict[str, InstantiableParams], input_spec: Any, num_blocks: int) -> int:
-    """Activation bytes of an encoder or decoder layer: its children's on x's spec (attention over x itself),
-    `num_blocks` residual sums, and the [B, 1, 1, T] attention bias when paddings come along."""
+def block_activation_bytes(children: dict[str, InstantiableParams], input_spec: Any) -> int:
+    """Activation bytes of an encoder layer: its children's on x's spec (self-attention) and the attention bias
+    when paddings come along."""
     x_spec, paddings = _split_inputs(input_spec)
     total = sum(cp.cls.activation_bytes(cp, x_spec) for cp in children.values())
     bias = 0 if paddings is None else elements_bytes(paddings, "float32")
-    return total + num_blocks * elements_bytes(x_spec) + bias
+    # Each block's output goes into its residual add, whose gradient reads neither operand, so it is not kept; the
+    # sum, of the same size, is (the next layer norm reads it): the children's count stands for both.
+    return total + bias
 
 
 def define_block_params(p: InstantiableParams) -> InstantiableParams:
@@ -146,5 +148,5 @@ class TransformerEncoderLayer(BaseLayer):
 
     @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
-        """Sum of the children on x's spec, plus the two residual sums (and, with paddings, the attention bias)."""
-        return block_activation_bytes(cls._child_params(p), input_spec, 2)
+        """Sum of the children on x's spec (and, with paddings, the attention bias)."""
+        return block_activation_bytes(cls._child_params(p), input_spec)

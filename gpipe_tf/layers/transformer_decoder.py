@@ -226,10 +226,11 @@ class TransformerDecoderLayer(BaseLayer):
 
     @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
-        """Sum of the children (cross-attention on (x, memory)), the three residual sums and the attention biases."""
+        """Sum of the children (cross-attention on (x, memory); each residual sum stands in for the block output it
+        replaces, see `transformer.block_activation_bytes`) and the attention biases."""
         x_spec, tgt_paddings, memory_spec, src_paddings = split_decoder_inputs(input_spec)
         total = 0
         for name, cp in cls._child_params(p).items():
             total += cp.cls.activation_bytes(cp, (x_spec, memory_spec, None) if name == "cross_atten" else x_spec)
         biases = sum(elements_bytes(s, "float32") for s in (tgt_paddings, src_paddings) if s is not None)
-        return total + len(_BLOCKS) * elements_bytes(x_spec) + biases
+        return total + biases

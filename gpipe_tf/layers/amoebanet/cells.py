@@ -179,7 +179,39 @@ class Cell(BaseLayer):
 
     @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]) -> int:
-        """Sum over the operations and input adjustments, plus each block's sum and the concatenated output."""
-        kept: list[int] = []
-        cls._trace_specs(p, input_spec, None, kept)
-        return sum(kept)
+        """What the cell keeps for its backward pass, from its wiring: every operation's internal tensors; one ReLU
+        output per state that operations start with a ReLU of (graph rewrites compute it once); every state
+        made in the cell that an operation's gradient reads directly (max pooling, a conv with no ReLU first);
+        and the concatenated output. Operation outputs feed additions and the concatenation, whose gradients
+        read nothing, so they are not kept."""
+        children = cls.children_params(p)
+        specs: list[tf.TensorSpec] = []
+        relu_read: set[int] = set()
+        direct_read: set[int] = set()
+        internal = [0]
+
+        def token(spec: tf.TensorSpec) -> int:
+            specs.append(spec)
+            return len(specs) - 1
+
+        def apply(name: str, t: int) -> int:
+            cp = children[name]
+            op = cp.cls
+            if hasattr(op, "internal_activation_bytes"):
+                internal[0] += op.internal_activation_bytes(cp, specs[t])
+                (relu_read if op.leading_relu(cp) else set()).add(t)
+                (direct_read if op.reads_input(cp) else set()).add(t)
+            else:  # DropPath: a per-example mask; the divide by a constant keeps nothing of its input
+                internal[0] += op.activation_bytes(cp, specs[t]) - (elements_bytes(specs[t])
+                                                                   if op.activation_bytes(cp, specs[t]) else 0)
+            return token(op.output_spec(cp, specs[t]))
+
+        def concat(tokens: list[int]) -> int:
+            channels = sum(int(specs[t].shape[-1]) for t in tokens)
+            return token(tf.TensorSpec(specs[tokens[0]].shape[:-1].concatenate([channels]), specs[tokens[0]].dtype))
+
+        inputs = (token(input_spec[0]), token(input_spec[1]))
+        out, _ = cls._wire(p, inputs, apply, lambda a, b: token(specs[a]), concat)
+        made_here = [t for t in direct_read if t not in inputs]
+        return (internal[0] + sum(elements_bytes(specs[t]) for t in relu_read)
+                + sum(elements_bytes(specs[t]) for t in made_here) + elements_bytes(specs[out]))

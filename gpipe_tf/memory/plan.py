@@ -67,8 +67,9 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
     """The per-device plan of the GPipe layer `pipe` trained with `train` (its optimizer and EMA).
 
     Returns {"schedule", "num_devices", "num_micro_batches", "remat", "compute_dtype", "optimizer_slot_copies",
-    "device_memory", "fits", "devices": [{"device", "stages", "weights", ..., "peak", "fits"}]}. Raises
-    ConfigError when the micro-batch shape is unknown or a layer cannot estimate its memory.
+    "device_memory", "fits", "max_peak", "devices": [{"device", "stages", "weights", ..., "peak", "fits"}],
+    "stages": [per pipeline stage: its StageMemory fields and "peak"]}. Raises ConfigError when the micro-batch
+    shape is unknown or a layer cannot estimate its memory.
     """
     if pipe.micro_batch_shape is None:
         raise ConfigError(f"memory plan: {path}.micro_batch_shape is not set, so the activations cannot be sized; "
@@ -95,6 +96,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
         spec = traces[-1].output_spec
     devices = []
+    per_stage = [{"stage": s, **mem.as_dict()} for s, _, mem in stages]
     for d in range(k):
         mine = [(s, names, mem) for s, names, mem in stages if s % k == d]
         row: dict[str, Any] = {"device": d, "stages": [s for s, _, _ in mine],
@@ -106,5 +108,5 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
     fits = None if device_memory is None else all(r["fits"] for r in devices)
     return {"schedule": schedule, "num_devices": k, "virtual_stages": v, "num_micro_batches": m,
             "remat": pipe.remat, "compute_dtype": compute.name, "optimizer_slot_copies": opt.slots, "ema": ema,
-            "device_memory": device_memory, "fits": fits, "devices": devices,
+            "device_memory": device_memory, "fits": fits, "devices": devices, "stages": per_stage,
             "max_peak": max(r["peak"] for r in devices)}

@@ -106,7 +106,7 @@ def isolated_stages(model: str, gin: tuple[str, ...], overrides: str) -> tuple[A
         traces = stage_lib.trace_layers(layers, spec, names)
         setting = stage_lib.StageSetting(
             micro_batches=stashes[s], stashed=stashes[s], remat=plan.remat[s], first=True, last=True,
-            outputs_kept=True, variable_bytes=tf.as_dtype(pipe.dtype or "float32").size,
+            outputs_kept=True, input_gradient=s > 0, variable_bytes=tf.as_dtype(pipe.dtype or "float32").size,
             compute_bytes=compute.size, optimizer=plan_lib.optimizer_memory(params.train.optimizer))
         stages.append({"layers": layers, "names": list(names), "spec": spec, "stashed": stashes[s],
                        "remat": plan.remat[s], "predicted": stage_lib.stage_memory(traces, spec, setting),
@@ -130,7 +130,7 @@ def measure_stage(model: str, gin: tuple[str, ...], overrides: str, stage: int) 
     pipe = GPipe.params().set(
         name="stage", dtype=params.task.network.dtype or "float32", fprop_dtype=params.task.network.fprop_dtype,
         layers=info["layers"], num_stages=1, num_micro_batches=m, remat="always" if info["remat"] else "never",
-        device_kind="cpu").instantiate()
+        device_kind="cpu", input_gradients=stage > 0).instantiate()
     variables = pipe.trainable_variables
     optimizer = params.train.optimizer.instantiate()
     optimizer.build(variables)
@@ -147,12 +147,15 @@ def measure_stage(model: str, gin: tuple[str, ...], overrides: str, stage: int) 
 
     @tf.function
     def step(x: Any, weights: Any) -> tf.Tensor:
+        floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating] if stage > 0 else []
         with tf.GradientTape() as tape:
+            tape.watch(floats)
             outs = [o for o in tf.nest.flatten(pipe.fprop(pipe.theta, x, ctx)) if o.dtype.is_floating]
             loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32) * w) for o, w in zip(outs, weights)])
-        grads = tape.gradient(loss, variables)
-        optimizer.apply_gradients(zip(grads, variables), 1e-3)
-        return loss
+        grads = tape.gradient(loss, [*variables, *floats])
+        optimizer.apply_gradients(zip(grads[:len(variables)], variables), 1e-3)
+        # A later stage sends its input's gradient back: returned, so that it is computed.
+        return loss, grads[len(variables):]
 
     # The output gradients: fixed tensors, as the next stage would send them.
     weights = [full(sp, 100 + i) for i, sp in enumerate(tf.nest.flatten(info["out_spec"]))
@@ -169,6 +172,32 @@ def measure_stage(model: str, gin: tuple[str, ...], overrides: str, stage: int) 
             "runtime_cache": int(before - baseline - state_bytes)}
 
 
+def measure_configs(jobs: list[dict[str, Any]]) -> list[list[dict[str, int]]]:
+    """Every stage of every job ({"model", "gin", "overrides"}) measured in this process, one after another (each
+    measurement counts from the bytes in use before its own step, so earlier ones do not count)."""
+    import gc
+
+    results = []
+    for job in jobs:
+        _, stages = isolated_stages(job["model"], tuple(job["gin"]), job["overrides"])
+        per_stage = []
+        for s in range(len(stages)):
+            per_stage.append(measure_stage(job["model"], tuple(job["gin"]), job["overrides"], s))
+            gc.collect()
+        results.append(per_stage)
+    return results
+
+
+def measure_in_fresh_process(jobs: list[dict[str, Any]]) -> list[list[dict[str, int]]]:
+    """`measure_configs` in a fresh Python process with TensorFlow's BFC allocator (the module doc)."""
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="2")
+    args = [sys.executable, "-m", "bench.memory_check", "--measure", json.dumps(jobs)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"measuring {jobs} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _run_child(config: Config, stage: int) -> dict[str, int]:
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="2")
     args = [sys.executable, "-m", "bench.memory_check", "--child",
@@ -183,8 +212,12 @@ def main() -> None:
     """Prints the table: configuration, stage, stashed micro-batches, predicted, measured, error."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--only", default="", help="Comma-separated configuration names (default: all).")
     args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure_configs(json.loads(args.measure))))
+        return
     if args.child:
         job = json.loads(args.child)
         print(json.dumps(measure_stage(job["model"], tuple(job["gin"]), job["overrides"], job["stage"])))

@@ -116,7 +116,7 @@ def _memory(params: Params, pipe: InstantiableParams, path: str, stages: list[di
     except ConfigError as e:
         if device_memory is not None:
             raise
-        notes.append(f"memory '-': {e}")
+        notes.append(f"activations and memory '-': {e}")
         return None
     for entry, mem in zip(stages, plan["stages"]):
         entry["activation_bytes_estimate"] = mem["stashed_activations"] + mem["recompute"]

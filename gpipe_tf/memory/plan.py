@@ -91,7 +91,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         traces = stage_lib.trace_layers([layers[j] for j in indices], spec, names)
         setting = stage_lib.StageSetting(
             micro_batches=m, stashed=stashes[s], remat=plan.remat[s], first=s == 0, last=s == plan.num_chunks - 1,
-            outputs_kept=s == plan.num_chunks - 1 and schedule in ("fill_drain", "unrolled"),
+            outputs_kept=s == plan.num_chunks - 1 and schedule in ("fill_drain", "unrolled"), input_gradient=s > 0,
             variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema)
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
         spec = traces[-1].output_spec

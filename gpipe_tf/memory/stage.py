@@ -8,7 +8,8 @@ What a stage holds at its peak, the start of the backward pass of its last stash
   precision also the compute-dtype copy of the weights, which each micro-batch casts anew);
 * with remat, one micro-batch's activations recomputed for its backward pass;
 * boundary buffers: the input the stage received (the whole mini-batch on the first stage) and the output it
-  sent, with their gradients (the last fill-drain stage keeps every micro-batch's output and output gradient);
+  sent, with their gradients (the last fill-drain stage keeps every micro-batch's output and output gradient; a
+  stage that holds the whole mini-batch and computes its input's gradient holds all of it);
 * working memory of the backward pass: one micro-batch's weight gradients before they are added to the sums,
   and the activation gradients flowing through the largest layer.
 """
@@ -105,6 +106,7 @@ class StageSetting:
     first: bool  # the stage holds the whole mini-batch input
     last: bool
     outputs_kept: bool  # a fill-drain last stage keeps every micro-batch's output and its gradient
+    input_gradient: bool = True  # the stage sends its input's gradient back (every stage but a data-fed first)
     variable_bytes: int = 4  # bytes per variable element (float32)
     compute_bytes: int = 4  # bytes per element of the compute dtype
     optimizer: OptimizerMemory = OptimizerMemory(0.0, 0.0, 0.0)
@@ -125,7 +127,8 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     recompute = activations + cast_weights if setting.remat else 0
     received = setting.micro_batches * in_bytes if setting.first else in_bytes
     sent = 2 * setting.micro_batches * out_bytes if setting.outputs_kept else 2 * out_bytes
-    boundary = received + sent + (0 if setting.first else in_bytes)  # + the input gradient sent back
+    returned = 0 if not setting.input_gradient else (setting.micro_batches * in_bytes if setting.first else in_bytes)
+    boundary = received + sent + returned
     # The backward pass computes one layer's weight gradients at a time and adds them to the sums; the activation
     # gradients flowing through the largest layer; the optimizer's temporaries that read only variables.
     largest_layer = max([t.params for t in traces] + [0]) * setting.variable_bytes

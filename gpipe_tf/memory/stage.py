@@ -10,8 +10,10 @@ What a stage holds at its peak, the start of the backward pass of its last stash
 * boundary buffers: the input the stage received (the whole mini-batch on the first stage) and the output it
   sent, with their gradients (the last fill-drain stage keeps every micro-batch's output and output gradient; a
   stage that holds the whole mini-batch and computes its input's gradient holds all of it);
-* working memory of the backward pass: one micro-batch's weight gradients before they are added to the sums,
-  and the activation gradients flowing through the largest layer.
+* working memory of the backward pass: one layer's weight gradients before they are added to the sums, the
+  activation gradient flowing between layers, the optimizer's temporaries that read only variables (computed as
+  soon as the step starts) and, with remat, the copy of the weights the recomputation differentiates;
+* or, if larger, the optimizer update's temporaries (`plan.optimizer_memory`).
 """
 
 from __future__ import annotations
@@ -129,12 +131,14 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     sent = 2 * setting.micro_batches * out_bytes if setting.outputs_kept else 2 * out_bytes
     returned = 0 if not setting.input_gradient else (setting.micro_batches * in_bytes if setting.first else in_bytes)
     boundary = received + sent + returned
-    # The backward pass computes one layer's weight gradients at a time and adds them to the sums; the activation
-    # gradients flowing through the largest layer; the optimizer's temporaries that read only variables.
+    # The backward pass computes one layer's weight gradients at a time and adds them to the sums; one activation
+    # gradient flows between layers (each layer's stashed activations are freed as its gradient uses them); the
+    # optimizer's temporaries that read only variables are alive throughout; a recomputing stage differentiates
+    # with respect to a copy of its weights made in the backward pass (`gpipe/remat.py` says why).
     largest_layer = max([t.params for t in traces] + [0]) * setting.variable_bytes
-    largest_activation = max([t.activation_bytes for t in traces] + [in_bytes, out_bytes])
+    flowing = max(in_bytes, out_bytes)
     opt = setting.optimizer
-    backward_working = largest_layer + largest_activation + int(opt.early * weights)
+    backward_working = largest_layer + flowing + int(opt.early * weights) + (weights if setting.remat else 0)
     return StageMemory(params=params, weights=weights, gradient_sums=weights,
                        optimizer_slots=int(opt.slots * weights), ema=weights if setting.ema else 0,
                        stashed_activations=stash, recompute=recompute, boundary_buffers=boundary,

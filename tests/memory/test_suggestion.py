@@ -1,0 +1,42 @@
+"""The suggestion is right: for configurations that do not fit a budget set below their measured peak, applying the
+printed change gives a measured peak under the budget. Each stage is measured alone in a fresh process with TF's BFC
+allocator (`bench.memory_check`)."""
+
+from bench import memory_check
+from gpipe_tf import experiment
+from gpipe_tf.memory import plan, suggest
+
+MLP = ("BlobsMlpGPipe.hidden_dims=(256, 256, 256, 256)", "BlobsMlpGPipe.input_dim=256",
+       "BlobsMlpGPipe.dropout_rate=0.0")
+TRANSFORMER = ("TransformerLTinyOffline.num_layers=2", "TransformerLTinyOffline.model_dim=64",
+               "TransformerLTinyOffline.hidden_dim=256", "TransformerLTinyOffline.max_length=64",
+               "TransformerLTinyOffline.vocab_size=64")
+CASES = [
+    ("toy.classifier.BlobsMlpGPipe", MLP, memory_check._net(1, 1, "never", "fill_drain", 256, [256], "float32")),
+    ("toy.classifier.BlobsMlpGPipe", MLP, memory_check._net(2, 8, "never", "fill_drain", 512, [256], "float32")),
+    ("mt.gpipe_paper.TransformerLTinyOffline", TRANSFORMER,
+     memory_check._net(2, 4, "never", "fill_drain", 32, [64], "int32")),
+]
+SHARE = 0.9  # the budget: this share of the measured peak
+
+
+def _job(model, gin, overrides):
+    return {"model": model, "gin": list(gin), "overrides": overrides}
+
+
+def test_applying_the_suggestion_fits_the_measured_peak():
+    measured = memory_check.measure_in_fresh_process([_job(*case) for case in CASES])
+    budgets = [int(SHARE * max(s["measured"] for s in stages)) for stages in measured]
+    changed, hints = [], []
+    for (model, gin, overrides), budget in zip(CASES, budgets):
+        params, _ = experiment.resolve_params(model, gin_bindings=list(gin), overrides=overrides)
+        pipe = params.task.network
+        assert plan.plan_pipeline(pipe, params.train, device_memory=budget)["fits"] is False
+        hint = suggest.suggest(pipe, params.train, budget)
+        assert hint is not None, (model, overrides, budget)
+        hints.append(hint["change"])
+        changed.append(_job(model, gin, overrides + "," + hint["params"]))
+    after = memory_check.measure_in_fresh_process(changed)
+    for stages, budget, hint, job in zip(after, budgets, hints, changed):
+        peaks = [s["measured"] for s in stages]
+        assert max(peaks) < budget, (hint, job["overrides"], peaks, budget)

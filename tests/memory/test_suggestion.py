@@ -17,7 +17,7 @@ CASES = [
     ("mt.gpipe_paper.TransformerLTinyOffline", TRANSFORMER,
      memory_check._net(2, 4, "never", "fill_drain", 32, [64], "int32")),
 ]
-SHARE = 0.9  # the budget: this share of the measured peak
+SHARE = 0.8  # the budget: this share of the measured peak (the planner is validated to within 15%)
 
 
 def _job(model, gin, overrides):
@@ -31,7 +31,8 @@ def test_applying_the_suggestion_fits_the_measured_peak():
     for (model, gin, overrides), budget in zip(CASES, budgets):
         params, _ = experiment.resolve_params(model, gin_bindings=list(gin), overrides=overrides)
         pipe = params.task.network
-        assert plan.plan_pipeline(pipe, params.train, device_memory=budget)["fits"] is False
+        predicted = plan.plan_pipeline(pipe, params.train, device_memory=budget)
+        assert predicted["fits"] is False, (model, overrides, budget, predicted["max_peak"])
         hint = suggest.suggest(pipe, params.train, budget)
         assert hint is not None, (model, overrides, budget)
         hints.append(hint["change"])

@@ -124,10 +124,12 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     out_bytes = spec_bytes(traces[-1].output_spec) if traces else in_bytes
     # Mixed precision: each micro-batch casts the stage's weights; without remat the backward keeps the cast.
     cast_weights = params * setting.compute_bytes if setting.compute_bytes != setting.variable_bytes else 0
-    per_micro_batch = in_bytes + (0 if setting.remat else activations + cast_weights)
+    # The stage's input copy is what it received: on the first stage a slice of the mini-batch it holds (a slice
+    # along the batch shares its buffer), on a later stage the transferred micro-batch itself.
+    per_micro_batch = (0 if setting.first else in_bytes) + (0 if setting.remat else activations + cast_weights)
     stash = setting.stashed * per_micro_batch
     recompute = activations + cast_weights if setting.remat else 0
-    received = setting.micro_batches * in_bytes if setting.first else in_bytes
+    received = setting.micro_batches * in_bytes if setting.first else 0
     sent = 2 * setting.micro_batches * out_bytes if setting.outputs_kept else 2 * out_bytes
     returned = 0 if not setting.input_gradient else (setting.micro_batches * in_bytes if setting.first else in_bytes)
     boundary = received + sent + returned

@@ -70,7 +70,8 @@ def test_one_stage_by_hand():
     tensor = 8 * 16 * 4  # one micro-batch's [8, 16] float32
     assert (mem.weights, mem.gradient_sums, mem.optimizer_slots) == (weights, weights, 2 * weights)
     assert mem.stashed_activations == 4 * (tensor + 2 * tensor)  # input copy and the two ReLU outputs
-    assert mem.boundary_buffers == tensor + 2 * tensor + tensor  # input; output and its gradient; input gradient
+    # The received input is the stashed copy; output and its gradient; the input gradient sent back.
+    assert mem.boundary_buffers == 2 * tensor + tensor
     assert mem.backward_working == weights // 2 + tensor + 2 * weights  # one layer's gradients, b1 m and b2 v
     assert mem.optimizer_update == 3 * weights
     backward = mem.stashed_activations + mem.backward_working

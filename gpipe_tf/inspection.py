@@ -112,6 +112,8 @@ def _memory(params: Params, pipe: InstantiableParams, path: str, stages: list[di
     """The per-device memory plan (and, where it does not fit, the smallest change that does), or None with a
     note saying why it cannot be made. With `device_memory` set, that reason is an error (ConfigError)."""
     try:
+        if "train" not in params:
+            raise ConfigError("memory plan: these Params have no train subtree, so the optimizer is unknown")
         plan = memory_plan.plan_pipeline(pipe, params.train, path, device_memory)
     except ConfigError as e:
         if device_memory is not None:

@@ -222,9 +222,9 @@ def format_memory(memory: dict[str, Any]) -> list[str]:
                          f"(largest peak {human(memory['max_peak'])})")
             hint = memory.get("suggestion")
             if hint:
-                lines.append(f"smallest change that fits: {hint['change']} (largest peak {human(hint['max_peak'])}): "
-                             f"--params={hint['params']}")
+                lines.append(f"smallest change that fits with {suggest.HEADROOM:.0%} headroom: {hint['change']} "
+                             f"(largest peak {human(hint['max_peak'])}): --params={hint['params']}")
             else:
-                lines.append("no single change or pair of changes (1F1B, more micro-batches, remat, bfloat16, more "
-                             "stages) fits: more devices or a smaller model")
+                lines.append(f"no single change or pair of changes (1F1B, more micro-batches, remat, bfloat16, more "
+                             f"stages) fits with {suggest.HEADROOM:.0%} headroom: more devices or a smaller model")
     return lines

@@ -3,8 +3,9 @@
 Candidates, in the order a user would rather accept them (same numerics and devices first):
 1F1B (same math, stage k holds K - k micro-batches), more micro-batches (same math, smaller stashes),
 remat 'always' (about a third more compute), bfloat16 compute (other numerics), more stages (more devices).
-Each is planned with `plan.plan_pipeline`; the first that fits is the suggestion. If no single change fits, pairs
-of changes are tried in the same order.
+Each is planned with `plan.plan_pipeline`; the first whose predicted peak leaves HEADROOM of the budget free (the
+model's error against measured peaks, docs/memory.md) is the suggestion. If no single change does, pairs of changes
+are tried in the same order.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.memory.plan import plan_pipeline
 
 Change = tuple[str, dict[str, Any]]  # (description, {field: value} on the pipeline Params)
+HEADROOM = 0.15  # a suggestion's predicted peak stays below (1 - HEADROOM) x the budget
 
 
 def _micro_batch_changes(pipe: InstantiableParams) -> list[Change]:
@@ -72,8 +74,8 @@ def _apply(pipe: InstantiableParams, changes: list[Change]) -> InstantiableParam
 
 def suggest(pipe: InstantiableParams, train: Params, device_memory: int, path: str = "task.network",
             planner: Callable[..., dict[str, Any]] = plan_pipeline) -> dict[str, Any] | None:
-    """The first candidate (single changes, then pairs) whose plan fits: {"change", "params" (the --params
-    text), "max_peak"}; None if none fits."""
+    """The first candidate (single changes, then pairs) whose predicted peak is within (1 - HEADROOM) x
+    `device_memory` on every device: {"change", "params" (the --params text), "max_peak"}; None if none is."""
     groups = candidate_changes(pipe)
     singles = [[c] for group in groups for c in group]
     # Pairs: one change from each of two groups (e.g. 1F1B with remat), in order of preference.
@@ -84,7 +86,7 @@ def suggest(pipe: InstantiableParams, train: Params, device_memory: int, path: s
             plan = planner(candidate, train, path, device_memory)
         except (ConfigError, ValueError):
             continue  # e.g. more stages than the balance allows: not a candidate
-        if plan["fits"]:
+        if plan["max_peak"] <= (1 - HEADROOM) * device_memory:
             text = ",".join(f"{path}.{key}={_text(value)}" for _, fields in changes for key, value in fields.items())
             return {"change": " and ".join(d for d, _ in changes), "params": text, "max_peak": plan["max_peak"]}
     return None

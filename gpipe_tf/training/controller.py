@@ -260,7 +260,7 @@ class Controller:
         for warning in pipeline_report.shared_device_warnings(self.task):
             self.log(warning)
         if self.layout.is_chief:
-            pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
+            pipeline_report.write(self.task, self.logdir, writer, step, self.progress, self.params.train)
             hparams.write_session(self.logdir, hparams.hparams_of(self.params, self.knobs, self.learner.precision),
                                   hparams.metric_tags(self.params, self.learner.task_metric_names))
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -3,7 +3,8 @@
 Everything shown comes from each pipeline's stage plan (`GPipe.plan`, the split and remat decisions training uses).
 For every GPipe layer in the task: `logdir/partition.txt` (stage, layers, params, remat, device, cost),
 `logdir/timeline.txt` and `logdir/timeline.png` (the predicted timeline with its bubble fraction),
-and the same as TensorBoard text and image summaries in `logdir/train`.
+and the same as TensorBoard text and image summaries in `logdir/train`; the partition text there also shows the
+per-device memory plan (`gpipe_tf/memory`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Callable
 
 import tensorflow as tf
 
+from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe import orders, timeline
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.schedules import schedule_name
-from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.training import timeline_pictures
 from gpipe_tf.training.summaries import SummaryWriter
 
@@ -79,13 +81,29 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
     return warnings
 
 
-def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: Callable[[str], None]) -> None:
-    """Writes the partition table and the predicted timeline picture of each pipeline; logs the table."""
+def memory_text(pipe: GPipe, train_params: Params | None) -> str:
+    """The pipeline's per-device memory plan as text (`memory.plan`), or one line saying why there is none."""
+    from gpipe_tf.inspection import format_memory
+    from gpipe_tf.memory.plan import plan_pipeline
+
+    if train_params is None:
+        return "memory: no plan (the training Params were not given)"
+    try:
+        return "\n".join(format_memory(plan_pipeline(pipe.p, train_params, pipe.path)))
+    except ConfigError as e:
+        return f"memory: no plan: {e}"
+
+
+def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: Callable[[str], None],
+          train_params: Params | None = None) -> None:
+    """Writes the partition table and the predicted timeline picture of each pipeline; logs the table. TensorBoard's
+    partition text also shows each pipeline's per-device memory plan (from `train_params`' optimizer)."""
     pipes = pipelines(task)
     if not pipes:
         return
-    tables, texts = [], []
+    tables, texts, memories = [], [], []
     for pipe in pipes:
+        memories.append(memory_text(pipe, train_params))
         predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches,
                                        pipe.schedule.step_order(pipe.plan.num_devices))
         tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat} "
@@ -101,6 +119,6 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
     for name, text in (("partition.txt", table_text), ("timeline.txt", timeline_text)):
         with open(os.path.join(logdir, name), "w", encoding="utf-8") as f:
             f.write(text + "\n")
-    writer.text(step, "partition", table_text)
+    writer.text(step, "partition", "\n\n".join(f"{table}\n\n{memory}" for table, memory in zip(tables, memories)))
     writer.text(step, "pipeline_timeline", timeline_text)
     log(table_text)

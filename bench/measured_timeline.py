@@ -7,16 +7,18 @@ How a trace becomes cells:
   workers into steps, and the first step that starts and ends inside the trace window and parses is kept.
 * An op belongs to a pipeline stage by its name scope (``gpipe<id>_stage<s>``, `placement.stage_scope`), to the
   backward pass where its name says it is a gradient (``gradient_tape/``, ``gradients/``, ``_grad/``,
-  ``backward/``), else to the forward pass.
+  ``backward/``), else to the forward pass. Input and weight gradients carry the same names, so a zero-bubble
+  step's measured backward cells hold both B and W (its prediction splits them).
 * The loop schedules (fill_drain, one_f_one_b, interleaved) run the same ops once per micro-batch, in micro-batch
-  order on every stage (fill-drain's backward in reverse order): the n-th run of an op in a step belongs to the
-  n-th micro-batch of that order. A cell spans its ops, less lone ops far ahead or behind the rest (`_span`).
+  order on every stage, backwards in the order's backward order (`ScheduleOrder.backward_micro_batch`: last to
+  first for fill-drain): the n-th run of an op in a step belongs to the n-th micro-batch of that order.
+  A cell spans its ops, less lone ops far ahead or behind the rest (`_span`).
 * Sends and receives between devices are transfer cells ('T'). Left out: loop bookkeeping outside any stage, a
   stage's ops that run once per step outside the loop, and shape and copy ops (`_BOOKKEEPING`), which run
   whenever their inputs' shapes are known and would stretch a cell over time its stage spent on other work.
 
 The unrolled schedule names every (stage, micro-batch) step's ops apart, so its micro-batches cannot be told by
-counting; it is not supported here.
+counting; its ops run once each, which `cells_of_step` refuses.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Callable, Sequence
 
 from bench import op_breakdown
 from gpipe_tf.gpipe import timeline
+from gpipe_tf.gpipe.orders import ScheduleOrder
 
 _STAGE = re.compile(r"gpipe\d+_stage(\d+)")
 _BACKWARD = ("gradient_tape/", "gradients/", "_grad/", "backward/")
@@ -37,8 +40,6 @@ _BOOKKEEPING = {"Shape", "ShapeN", "BroadcastGradientArgs", "Reshape", "Identity
                 "Switch", "NextIteration", "LoopCond", "Less", "AddV2_int", "Range", "ConcatV2", "Squeeze",
                 "ExpandDims", "TensorListPushBack", "TensorListPopBack", "TensorListReserve", "TensorListLength",
                 "TensorArrayV3", "TensorArrayWriteV3", "TensorArrayReadV3", "TensorListSetItem", "TensorListGetItem"}
-# The order in which a stage's backward passes visit micro-batches: fill-drain drains last to first.
-_BACKWARD_ORDER = {"fill_drain": "reverse", "one_f_one_b": "forward", "interleaved": "forward"}
 
 Event = op_breakdown.Event
 
@@ -57,17 +58,18 @@ def split_steps(per_worker: Sequence[list[Event]], min_gap: float) -> list[tuple
 
 
 def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float], num_micro_batches: int,
-                  order: str, virtual_stages: int = 1) -> list[timeline.Cell]:
-    """The cells of the step in `window`; row = worker, chunk = pipeline stage // K (see the module doc).
+                  order: ScheduleOrder) -> list[timeline.Cell]:
+    """The cells of the step in `window` of a schedule running `order` (`Schedule.step_order(K)`); row = worker,
+    chunk = pipeline stage // K (see the module doc).
 
     Raises:
       ValueError: an op ran neither once nor M times in the step, or no stage op ran M times (not a loop
         schedule, or a cut or stalled step).
     """
-    if order not in _BACKWARD_ORDER:
-        raise ValueError(f"order={order!r}: measured timelines support {tuple(_BACKWARD_ORDER)} (the unrolled "
-                         "schedule names each micro-batch's ops apart; see the module doc)")
     m, k = num_micro_batches, len(per_worker)
+    if order.num_devices != k:
+        raise ValueError(f"the {order.name} order runs on {order.num_devices} devices but {k} workers were traced: "
+                         f"pass the order for K={k}")
     cells = []
     for row, events in enumerate(per_worker):
         runs: dict[tuple[int, str, str], list[tuple[float, float]]] = collections.defaultdict(list)
@@ -89,14 +91,15 @@ def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float]
             if len(times) != m:
                 raise ValueError(f"op {node!r} ran {len(times)} times in one step on worker {row}, expected "
                                  f"M={m}: not a loop schedule, or the step was cut")
-            reverse = phase == timeline.BACKWARD and _BACKWARD_ORDER[order] == "reverse"
             for n, (start, end) in enumerate(times):
-                ops[(stage, phase, m - 1 - n if reverse else n)].append((start, end))
+                i = order.backward_micro_batch(n, m) if phase == timeline.BACKWARD else n
+                ops[(stage, phase, i)].append((start, end))
         for (stage, phase, micro_batch), intervals in ops.items():
             start, end = _span(intervals)
             if stage % k != row:
                 raise ValueError(f"pipeline stage {stage} ran on worker {row}; expected worker {stage % k}")
-            cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=stage // k))
+            ops = tuple(sorted((a, b) for a, b in intervals if start <= a and b <= end))
+            cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=stage // k, ops=ops))
     if not any(c.phase != timeline.TRANSFER for c in cells):
         raise ValueError("no stage op ran M times in this step: a part of a stalled step, or not a pipeline")
     return cells
@@ -116,7 +119,7 @@ def _span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object], step_seconds: float,
-               num_micro_batches: int, order: str, virtual_stages: int = 1, attempts: int = 3) -> timeline.Timeline:
+               num_micro_batches: int, order: ScheduleOrder, attempts: int = 3) -> timeline.Timeline:
     """Traces the workers while `run_step` runs steps with pauses, and returns one complete step's timeline.
 
     `step_seconds`: about how long a step takes; the pause between steps is twice that (at least 0.5 s) and the
@@ -136,12 +139,11 @@ def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object]
             reason = f"no complete step in the {duration:.1f} s trace"
         for window in steps:
             try:
-                cells = cells_of_step(per_worker, window, num_micro_batches, order, virtual_stages)
+                cells = cells_of_step(per_worker, window, num_micro_batches, order)
             except ValueError as e:  # a stalled or cut step; the next one, or the next trace, may be whole
                 reason = str(e)
                 continue
-            return timeline.Timeline.measured(len(profiler_addresses), num_micro_batches, cells, schedule=order,
-                                              virtual_stages=virtual_stages)
+            return timeline.Timeline.measured(order, num_micro_batches, cells)
         duration *= 2
     raise RuntimeError(f"no whole step in {attempts} traces of the workers ({reason}): the machine may be too busy; "
                        "run again on a quieter machine")
@@ -157,7 +159,9 @@ def _trace(profiler_addresses: Sequence[str], run_step: Callable[[], object], pa
 def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
     """The schedule's predicted timeline with the measured step's median forward and backward cost of each
     pipeline stage, so that the two pictures differ only by what the prediction leaves out (transfers, executor
-    overhead, waiting, ops of different micro-batches sharing a worker)."""
+    overhead, waiting, ops of different micro-batches sharing a worker). A cell's cost is its compute (the union
+    of its ops' intervals, `Cell.compute`), not its span: where a worker ran the next micro-batch's forward beside
+    the current backward, both spans cover both cells' ops, and costs from spans would count that time twice."""
     import statistics
 
     k, v = measured.num_stages, measured.virtual_stages
@@ -166,8 +170,7 @@ def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
     for cell in measured.cells:
         if cell.phase in (timeline.FORWARD, timeline.BACKWARD):
             stage = cell.chunk * k + cell.stage
-            (forward if cell.phase == timeline.FORWARD else backward)[stage].append(cell.duration)
+            (forward if cell.phase == timeline.FORWARD else backward)[stage].append(cell.compute)
     costs = [max(statistics.median(forward[s]), 1e-9) for s in range(k * v)]
     backward_costs = [max(statistics.median(backward[s]), 1e-9) for s in range(k * v)]
-    return timeline.predict(k, measured.num_micro_batches, costs, schedule=measured.schedule, virtual_stages=v,
-                            backward_costs=backward_costs)
+    return timeline.predict(measured.order, measured.num_micro_batches, costs, backward_costs=backward_costs)

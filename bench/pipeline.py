@@ -209,16 +209,24 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                     step(x).numpy()
                 rows.append(dict(workload="transformer", schedule=schedule, k=2, m=m, remat="never",
                                  step_time_s=None, efficiency=None, vs_one_worker=None, efficiency_same_m=None,
-                                 efficiency_bound=round(m / (m + 1), 3), remat_cost=None, peak_memory_mb=None,
-                                 compile_s=round(time.perf_counter() - start, 2), flops_fraction=None))
+                                 efficiency_bound=round(bound(2, m, schedule), 3), remat_cost=None,
+                                 peak_memory_mb=None, compile_s=round(time.perf_counter() - start, 2),
+                                 flops_fraction=None))
                 print(f"# compiled schedule={schedule} M={m}", file=sys.stderr)
     return rows, traced_lines
 
 
+def step_order(schedule: str, k: int) -> Any:
+    """The order data (`orders.ScheduleOrder`) of the schedule a short name stands for, with its default knobs,
+    on K devices."""
+    from gpipe_tf.gpipe.schedules import schedule_params
+
+    return schedule_params(schedule).instantiate().step_order(k)
+
+
 def bound(k: int, m: int, schedule: str) -> float:
-    """The efficiency bound 1 - bubble: vM / (vM + K - 1), with v = 2 for the interleaved schedule's defaults."""
-    v = 2 if schedule == "interleaved" else 1
-    return v * m / (v * m + k - 1)
+    """The efficiency bound 1 - bubble of the schedule's order: vM / (vM + K - 1)."""
+    return 1.0 - step_order(schedule, k).bubble_bound(m)
 
 
 def predicted_activation_mb(k: int, m: int, remat: str) -> float:
@@ -258,7 +266,7 @@ def memory_worker(quick: bool) -> None:
                               compile_s=None, flops_fraction=None)), flush=True)
 
 
-TIMELINES = [("fill_drain", 2, 4), ("one_f_one_b", 2, 4), ("interleaved", 2, 4)]
+TIMELINES = [("fill_drain", 2, 4), ("one_f_one_b", 2, 4), ("interleaved", 2, 4), ("zero_bubble", 2, 4)]
 
 
 def timelines(args: argparse.Namespace) -> list[str]:
@@ -269,7 +277,7 @@ def timelines(args: argparse.Namespace) -> list[str]:
 
     from bench import measured_timeline
     from gpipe_tf import workers
-    from gpipe_tf.gpipe import timeline
+    from gpipe_tf.training import timeline_pictures
 
     os.makedirs(args.out, exist_ok=True)
     lines = []
@@ -285,20 +293,21 @@ def timelines(args: argparse.Namespace) -> list[str]:
                     step(x).numpy()
                     times.append(time.perf_counter() - start)
                 seconds = statistics.median(times)
-                v = 2 if schedule == "interleaved" else 1
+                order = step_order(schedule, k)
+                v = order.virtual_stages
                 measured = measured_timeline.trace_step(cluster.profiler_addresses, lambda: step(x).numpy(),
-                                                        seconds, m, schedule, v)
+                                                        seconds, m, order)
             predicted = measured_timeline.predicted_from(measured)
             base = os.path.join(args.out, f"timeline_{schedule}")
             with open(base + ".png", "wb") as f:
-                f.write(timeline.render_comparison_png(predicted, measured))
+                f.write(timeline_pictures.render_comparison_png(predicted, measured))
             with open(base + ".txt", "w", encoding="utf-8") as f:
-                f.write(timeline.render_comparison_text(predicted, measured) + "\n")
+                f.write(timeline_pictures.render_comparison_text(predicted, measured) + "\n")
             with open(base + ".json", "w", encoding="utf-8") as f:
                 json.dump(dict(schedule=schedule, k=k, m=m, virtual_stages=v, cells=[
                     dict(row=c.stage, chunk=c.chunk, micro_batch=c.micro_batch, phase=c.phase, start=c.start,
                          end=c.end) for c in measured.cells]), f)
-            lines.append(f"{args.workload} {schedule}{' v=2' if v > 1 else ''} K={k} M={m}: measured bubble "
+            lines.append(f"{args.workload} {schedule}{f' v={v}' if v > 1 else ''} K={k} M={m}: measured bubble "
                          f"{measured.bubble_fraction:.1%} (idle incl. transfers {measured.idle_fraction:.1%}) vs "
                          f"predicted {predicted.bubble_fraction:.1%}, bound {measured.ideal_bubble_fraction():.1%}; "
                          f"step {seconds:.3f} s; {base}.png")

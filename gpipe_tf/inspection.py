@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import tensorflow as tf
-
+from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan, TimingRequired, make_plan
+from gpipe_tf.gpipe.schedules import virtual_stages
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.layers.base_layer import BaseLayer
+from gpipe_tf.memory import plan as memory_plan
+from gpipe_tf.memory import suggest
+from gpipe_tf.memory.sizes import human
 
 
 def count_params(p: InstantiableParams) -> int:
@@ -54,10 +57,6 @@ def find_pipelines(p: Params, path: str = "task") -> list[tuple[str, Instantiabl
     return found
 
 
-def _bytes(spec: Any) -> int:
-    return sum(s.shape.num_elements() * s.dtype.size for s in tf.nest.flatten(spec))
-
-
 def _layer_params(lp: InstantiableParams) -> int | None:
     """Trainable parameters of one pipeline layer from its Params, or None where it cannot count them."""
     try:
@@ -80,11 +79,6 @@ def _stages(pipe: InstantiableParams, plan: StagePlan, path: str) -> tuple[list[
         notes.append(f"params '-': layer_{j} ({layers[j].cls.__name__})"
                      + (f" and {len(uncounted) - 1} more layers" if len(uncounted) > 1 else "")
                      + " cannot count their parameters from Params (no num_params); the total counts what it can")
-    spec = None if pipe.micro_batch_shape is None else tf.TensorSpec(pipe.micro_batch_shape, pipe.input_dtype)
-    if spec is None:
-        notes.append(f"activations '-': {path}.micro_batch_shape is not set, so the shape of a micro-batch is "
-                     "unknown (e.g. sequence models whose lengths vary by batch); to estimate, set it for the "
-                     f"longest batch, e.g. --params={path}.micro_batch_shape=[B/M, T],{path}.input_dtype=int32")
     stage_costs = plan.stage_costs()
     stages = []
     for stage, names in enumerate(plan.stage_layers):
@@ -94,25 +88,6 @@ def _stages(pipe: InstantiableParams, plan: StagePlan, path: str) -> tuple[list[
                                  "layers": list(names), "remat": plan.remat[stage],
                                  "cost": None if stage_costs is None else stage_costs[stage],
                                  "activation_bytes_estimate": None}
-        if spec is not None:
-            try:
-                input_bytes, outputs = _bytes(spec), []
-                for j in indices:
-                    lp = layers[j]
-                    failing = j
-                    spec = lp.cls.output_spec(lp, spec)
-                    outputs.append(_bytes(spec))
-                m = pipe.num_micro_batches
-                if plan.remat[stage]:
-                    # Inputs of every micro-batch, plus one micro-batch's activations while it is recomputed.
-                    entry["activation_bytes_estimate"] = m * input_bytes + sum(outputs)
-                else:
-                    entry["activation_bytes_estimate"] = m * sum(outputs)
-            except NotImplementedError:
-                spec = None
-                notes.append(f"activations '-' from stage {stage} on: layer_{failing} "
-                             f"({layers[failing].cls.__name__}) cannot infer its output shape from Params (no "
-                             "output_spec), so the shapes after it are unknown")
         stages.append(entry)
     return stages, notes
 
@@ -133,12 +108,36 @@ def _balance_text(report: dict[str, Any]) -> str:
     return f"balance: balance_by='{report['cost_kind']}', {_CRITERIA[report['cost_kind']]}{spread}"
 
 
-def inspect(params: Params, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def _memory(params: Params, pipe: InstantiableParams, path: str, stages: list[dict[str, Any]], notes: list[str],
+            device_memory: int | None) -> dict[str, Any] | None:
+    """The per-device memory plan (and, where it does not fit, the smallest change that does), or None with a
+    note saying why it cannot be made. With `device_memory` set, that reason is an error (ConfigError)."""
+    try:
+        if "train" not in params:
+            raise ConfigError("memory plan: these Params have no train subtree, so the optimizer is unknown")
+        plan = memory_plan.plan_pipeline(pipe, params.train, path, device_memory)
+    except ConfigError as e:
+        if device_memory is not None:
+            raise
+        notes.append(f"activations and memory '-': {e}")
+        return None
+    for entry, mem in zip(stages, plan["stages"]):
+        entry["activation_bytes_estimate"] = mem["stashed_activations"] + mem["recompute"]
+    plan["suggestion"] = None
+    if plan["fits"] is False:
+        plan["suggestion"] = suggest.suggest(pipe, params.train, device_memory, path)
+    return plan
+
+
+def inspect(params: Params, overrides: dict[str, Any] | None = None,
+            device_memory: int | None = None) -> dict[str, Any]:
     """{"model", "total_params", "overrides", "pipeline": path or None, and for the first pipeline found:
     "num_micro_batches", "remat" (the policy), "balance", "cost_kind", "note", "estimate_notes", "stages":
     [{"stage", "params", "layers", "remat", "cost", "activation_bytes_estimate"}, ...]}.
 
     `overrides`: what the command changed (e.g. {"gin_param": [...], "params": "..."}), echoed in the report.
+    `device_memory`: bytes per device; the report's "memory" (`memory.plan.plan_pipeline`, plus "suggestion") then
+    says whether each device fits, and an estimate that cannot be made raises ConfigError instead of a note.
     Without a plan (see the module doc) "balance" is None, "stages" is empty and "note" says why; otherwise "note"
     is None. Stage "params" and "activation_bytes_estimate" are None where they cannot be computed from Params;
     "estimate_notes" then says why and how to get them."""
@@ -151,12 +150,15 @@ def inspect(params: Params, overrides: dict[str, Any] | None = None) -> dict[str
         report.update(pipeline=path, num_micro_batches=pipe.num_micro_batches, remat=pipe.remat, balance=None,
                       cost_kind=None, note=None, estimate_notes=[])
         try:
-            plan = make_plan(pipe, num_replicas=None, measure=None, path=path)
+            plan = make_plan(pipe, virtual_stages=virtual_stages(pipe.schedule, pipe.num_stages, path),
+                             num_replicas=None, measure=None, path=path)
         except TimingRequired as e:
             report["note"] = str(e)
             return report
         stages, notes = _stages(pipe, plan, path)
-        report.update(balance=list(plan.balance), cost_kind=plan.cost_kind, stages=stages, estimate_notes=notes)
+        memory = _memory(params, pipe, path, stages, notes, device_memory)
+        report.update(balance=list(plan.balance), cost_kind=plan.cost_kind, stages=stages, estimate_notes=notes,
+                      memory=memory)
     return report
 
 
@@ -186,7 +188,45 @@ def format_report(report: dict[str, Any]) -> str:
             span = f"{s['layers'][0]} .. {s['layers'][-1]}" if len(s["layers"]) > 1 else s["layers"][0]
             lines.append(f"{s['stage']:>5}  {params_text:>16}  {'yes' if s['remat'] else 'no':<5}  {act_text:>18}  "
                          f"{span}")
+        if report.get("memory"):
+            lines += format_memory(report["memory"])
         lines += [f"note: {note}" for note in report["estimate_notes"]]
     elif report.get("note"):
         lines.append(f"pipeline {report['pipeline']}: no stages shown. {report['note']}")
     return "\n".join(lines)
+
+
+_MEMORY_COLUMNS = (("weights", "weights"), ("gradient_sums", "grad sums"), ("optimizer_slots", "opt slots"),
+                   ("ema", "ema"), ("stashed_activations", "stashes"), ("recompute", "recompute"),
+                   ("boundary_buffers", "boundary"), ("backward_working", "bwd work"), ("optimizer_update", "update"),
+                   ("peak", "peak"))
+
+
+def format_memory(memory: dict[str, Any]) -> list[str]:
+    """The per-device memory plan as text lines: one row per device, then the verdict and the suggestion."""
+    budget = memory["device_memory"]
+    lines = [f"memory per device (predicted; schedule {memory['schedule']}, remat {memory['remat']}, compute "
+             f"{memory['compute_dtype']}, optimizer slots {memory['optimizer_slot_copies']:g} x weights"
+             + (", EMA" if memory["ema"] else "") + (f", budget {human(budget)}" if budget else "") + "):",
+             "device  stash " + "  ".join(f"{title:>10}" for _, title in _MEMORY_COLUMNS) + "  fits"]
+    for row in memory["devices"]:
+        fits = "-" if row["fits"] is None else ("yes" if row["fits"] else "NO")
+        lines.append(f"{row['device']:>6}  {row['stashed_micro_batches']:>5} "
+                     + "  ".join(f"{human(row[key]):>10}" for key, _ in _MEMORY_COLUMNS) + f"  {fits}")
+    lines.append("peak = weights + grad sums + opt slots + ema + boundary + max(stashes + recompute + bwd work, "
+                 "update)")
+    if budget is not None:
+        if memory["fits"]:
+            lines.append(f"fits: every device's peak is within {human(budget)} (largest {human(memory['max_peak'])})")
+        else:
+            over = sum(1 for r in memory["devices"] if not r["fits"])
+            lines.append(f"does NOT fit: {over} of {len(memory['devices'])} devices exceed {human(budget)} "
+                         f"(largest peak {human(memory['max_peak'])})")
+            hint = memory.get("suggestion")
+            if hint:
+                lines.append(f"smallest change that fits with {suggest.HEADROOM:.0%} headroom: {hint['change']} "
+                             f"(largest peak {human(hint['max_peak'])}): --params={hint['params']}")
+            else:
+                lines.append(f"no single change or pair of changes (1F1B, more micro-batches, remat, bfloat16, more "
+                             f"stages) fits with {suggest.HEADROOM:.0%} headroom: more devices or a smaller model")
+    return lines

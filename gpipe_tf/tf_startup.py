@@ -4,8 +4,8 @@ TensorFlow 2.21 writes a few lines from C++ while it loads and first lists devic
 so `TF_CPP_MIN_LOG_LEVEL` cannot silence them: "All log messages before absl::InitializeLog() ...", "oneDNN
 custom operations are on", "Could not find cuda drivers", "failed call to cuInit" (on a machine without a GPU),
 twice each. Around a one-line error they are noise a user must read past. `start_tensorflow` imports TensorFlow
-and lists the devices with the process's standard error (file descriptor 2) sent to a temporary file, then writes
-back every line except those known notices: anything else TensorFlow says there still reaches the console.
+and lists the devices with the process's standard error (file descriptor 2) sent into a pipe, then writes back
+every line except those known notices: anything else TensorFlow says there still reaches the console.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import contextlib
 import os
 import re
 import sys
-import tempfile
+import threading
 from typing import Iterator
 
 # Exactly the notices named above; nothing that could report a real problem.
@@ -35,24 +35,37 @@ def is_known_notice(line: str) -> bool:
 
 @contextlib.contextmanager
 def known_notices_dropped() -> Iterator[None]:
-    """Within the block, file descriptor 2 goes to a temporary file; afterwards (also on an exception) every line
-    written there that is not a known notice is written to standard error, in order."""
+    """Within the block, file descriptor 2 goes into a pipe drained by a thread; afterwards (also on an exception)
+    every line written there that is not a known notice is written to standard error, in order.
+
+    A pipe, not a file: a process limited in file size (RLIMIT_FSIZE) would cut a file short and lose lines."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        finally:
+    read_end, write_end = os.pipe()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            while chunk := pipe.read1(65536):
+                chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, name="tf-startup-stderr", daemon=True)
+    reader.start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last write end closes: the reader sees its end
+        os.close(saved)
+        reader.join()
+        text = b"".join(chunks).decode("utf-8", errors="replace")
+        kept = [line if line.endswith("\n") else line + "\n" for line in text.splitlines(keepends=True)
+                if not is_known_notice(line)]
+        if kept:
+            sys.stderr.write("".join(kept))
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            captured.seek(0)
-            kept = [line for line in captured.read().decode("utf-8", errors="replace").splitlines(keepends=True)
-                    if not is_known_notice(line)]
-            if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
 
 
 def start_tensorflow() -> None:

@@ -68,6 +68,8 @@ flags.DEFINE_bool("quiet", False, "No progress lines (warnings, errors and resul
 flags.DEFINE_string("profile_steps", None, "START,END: capture a TF profiler trace of those steps into the logdir "
                     "(TensorBoard's Profile tab; pip install -e '.[profile]').")
 flags.DEFINE_bool("json", False, "--mode=inspect: print one JSON object.")
+flags.DEFINE_string("device_memory", None, "--mode=inspect: memory per device, e.g. 16GiB, 8GB, 512MiB "
+                    "(docs/memory.md): whether each pipeline device fits and, if not, the smallest change that does.")
 flags.DEFINE_integer("num_replicas", None, "Data-parallel pipeline replicas in this process (overrides "
                      "train.num_replicas); replica r's stage k runs on device r*K+k.", lower_bound=1)
 flags.DEFINE_list("worker_hosts", [], "Multi-worker data parallelism: host:port of every trainer process, the chief "
@@ -186,8 +188,10 @@ def _inspect(params: Params, overrides: str) -> None:
     import time
 
     from gpipe_tf import inspection
+    from gpipe_tf.memory.sizes import parse_bytes
     from gpipe_tf.training import progress
 
+    budget = None if FLAGS.device_memory is None else parse_bytes(FLAGS.device_memory)  # a bad size fails first
     start = time.perf_counter()
     pipelines = inspection.find_pipelines(params.task)
     if not FLAGS.quiet:
@@ -196,7 +200,7 @@ def _inspect(params: Params, overrides: str) -> None:
                           for path, p in pipelines) or "no pipeline"
         print(f"inspecting {params.model} from its Params ({shape}) ...", file=sys.stderr, flush=True)
     report = inspection.inspect(params, overrides={"gin_file": FLAGS.gin_file, "gin_param": FLAGS.gin_param,
-                                                "params": overrides})
+                                                "params": overrides}, device_memory=budget)
     print(json.dumps(report) if FLAGS.json else inspection.format_report(report), flush=True)
     if not FLAGS.quiet:
         print(f"inspect done in {progress.format_duration(time.perf_counter() - start)}", file=sys.stderr,

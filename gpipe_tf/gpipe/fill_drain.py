@@ -38,14 +38,15 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import microbatch, placement
+from gpipe_tf.gpipe import loop_parts, microbatch, orders, placement
 from gpipe_tf.gpipe.leaves import float_leaves, is_float, with_float_leaves
+from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import stage_op
 from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule, stopped_arguments
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 
-class FillDrain(Schedule):
+class FillDrain(Schedule, short_name="fill_drain"):
     """GPipe's fill-drain order as one placed while loop and its gradient: a graph constant in M (the default)."""
 
     needs_output_spec = True  # the loop writes each micro-batch's output into preallocated TensorArrays
@@ -66,100 +67,101 @@ class FillDrain(Schedule):
             raise ParamsError(f"{path}.schedule.parallel_iterations={value!r} must be a whole number >= 1; use 1 "
                               "(the default)")
 
+    def step_order(self, num_devices: int) -> ScheduleOrder:
+        """GPipe's order: every forward, then the backwards from the last micro-batch to the first."""
+        return orders.fill_drain(num_devices)
+
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """Runs the job's micro-batches in one placed while loop; see the module doc."""
-        k, m = job.num_chunks, job.num_micro_batches
-        devices, scopes = job.devices, job.stage_scopes
-        aux_spec = job.aux_spec
-        flat_aux_spec = tf.nest.flatten(aux_spec)
-        num_aux = len(flat_aux_spec)
-        flat_inputs = float_leaves(inputs)
-        flat_theta = [list(ws) for ws in job.stage_weights]
-        input_gradient = job.input_gradient
-        flat_spec = tf.nest.flatten(job.output_spec)
-        result: dict[str, Any] = {}
+        return run_loop(job, inputs, self.p.parallel_iterations)
 
-        @tf.custom_gradient
-        def pipeline(*args: tf.Tensor) -> Any:
-            xs, thetas, _ = stopped_arguments(args, devices[0], len(flat_inputs), [len(f) for f in flat_theta])
-            tape = tf.GradientTape(watch_accessed_variables=False)
-            with tape:
-                flat_weights = [w for ws in thetas for w in ws]
-                tape.watch(flat_weights + (xs if input_gradient else []))
-                with tf.device(devices[0]):
-                    micro = microbatch.split(with_float_leaves(inputs, xs), m)
 
-                def body(i: tf.Tensor, first: tf.Tensor, weights: tuple, *state: Any) -> tuple:
-                    # One counter per end of the pipeline (first: the first stage's; i: the last stage's), so
-                    # that what the backward keeps of each index stays on its stage's device.
-                    aux_sums, arrays = state[:num_aux], state[num_aux:]
-                    with placement.on_stage(scopes[0]):
-                        first_next = first + 1
-                        index = first_next - 1
-                        h = tf.nest.map_structure(lambda t: t[index], micro)
-                        # The micro-batch's seed comes from the first stage, which leads the forward pass.
-                        micro_ctx = job.micro_batch_context(index, bool(aux_spec))
-                    for s in range(k):
-                        with placement.on_stage(scopes[s]):
-                            # The stage's own copy of its input: what the backward keeps of it stays here.
-                            h = tf.nest.map_structure(tf.identity, h)
+def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1) -> tuple[Any, dict[str, Any] | None]:
+    """The fill-drain loop of the module doc on `job`: (outputs, summed aux statistics or None). Also the forward
+    pass of the schedules that run their backward inside the forward (1F1B) when no gradient is taken.
 
-                            def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
-                                return job.run_stage(s, ws, x, micro_ctx)
-                            h = stage_op(fn, weights[s], h, s > 0 or input_gradient, job.plan.remat[s], devices[s])
-                    with placement.on_stage(scopes[-1]):
-                        i_next = i + 1
-                        index = i_next - 1  # a tensor of this stage (the loop's own input would be kept elsewhere)
-                        arrays = tuple(a.write(index, leaf) for a, leaf in zip(arrays, tf.nest.flatten(h)))
-                        if aux_spec:
-                            stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec})
-                            aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
-                    return (i_next, first_next, weights, *aux_sums, *arrays)
+    parallel_iterations: loop iterations (micro-batches) each device runs at once.
+    """
+    k, m = job.num_chunks, job.num_micro_batches
+    devices, scopes = job.devices, job.stage_scopes
+    aux_spec = job.aux_spec
+    flat_aux_spec = tf.nest.flatten(aux_spec)
+    num_aux = len(flat_aux_spec)
+    flat_inputs = float_leaves(inputs)
+    flat_theta = [list(ws) for ws in job.stage_weights]
+    input_gradient = job.input_gradient
+    flat_spec = tf.nest.flatten(job.output_spec)
+    result: dict[str, Any] = {}
 
-                with tf.device(devices[-1]):
-                    arrays = tuple(tf.TensorArray(sp.dtype, size=m, element_shape=sp.shape) for sp in flat_spec)
-                    aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in flat_aux_spec)
-                condition = placement.host_device()
-                counters = []
-                for device in (devices[-1], devices[0]):
-                    with tf.device(device):
-                        counters.append(tf.constant(0))
-                with tf.compat.v1.get_default_graph().device(placement.loop_device(condition, condition)):
-                    # The weights are loop variables passed through unchanged: their gradient is a loop variable of
-                    # the backward loop that starts from the zeros below, on the stage's device, and sums there.
-                    # The condition is the loop's own iteration count (maximum_iterations), kept where the While op
-                    # is: no stage has to answer before the next micro-batch may start.
-                    _, _, weights_out, *state = tf.while_loop(
-                        lambda *_: True, body, (*counters, tuple(tuple(ws) for ws in thetas), *aux_zeros, *arrays),
-                        maximum_iterations=m, parallel_iterations=self.p.parallel_iterations)
-                with tf.device(devices[-1]):
-                    flat_out = [microbatch.merge(a.stack()) for a in state[num_aux:]]
-            if aux_spec:
-                result["aux"] = tf.nest.pack_sequence_as(aux_spec, state[:num_aux])
-            result["out"] = flat_out
-            out_float = [t for t in flat_out if is_float(t)]
+    @tf.custom_gradient
+    def pipeline(*args: tf.Tensor) -> Any:
+        xs, thetas, _ = stopped_arguments(args, devices[0], len(flat_inputs), [len(f) for f in flat_theta])
+        tape = tf.GradientTape(watch_accessed_variables=False)
+        with tape:
+            flat_weights = [w for ws in thetas for w in ws]
+            tape.watch(flat_weights + (xs if input_gradient else []))
+            with tf.device(devices[0]):
+                micro = microbatch.split(with_float_leaves(inputs, xs), m)
 
-            def grad_fn(*dy: tf.Tensor) -> list[tf.Tensor]:
-                with tf.device(devices[-1]):
-                    dy = [tf.identity(d) for d in dy]
-                ends, starts = [], []
+            def body(i: tf.Tensor, first: tf.Tensor, weights: tuple, *state: Any) -> tuple:
+                # One counter per end of the pipeline (first: the first stage's; i: the last stage's), so
+                # that what the backward keeps of each index stays on its stage's device.
+                aux_sums, arrays = state[:num_aux], state[num_aux:]
+                first_next, _, h, micro_ctx = loop_parts.next_micro_batch(job, first, micro, bool(aux_spec))
                 for s in range(k):
-                    with tf.device(devices[s]):
-                        ends += list(weights_out[s])
-                        starts += [tf.zeros_like(w) for w in weights_out[s]]
-                wrt = flat_weights + (xs if input_gradient else [])
-                # Counters and the outputs (TensorArrays) live on the last stage; so do their gradients.
-                with placement.colocate_gradients(devices[-1], condition):
-                    grads = tape.gradient(out_float + ends, wrt, output_gradients=dy + starts,
-                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                sums = grads[:len(flat_weights)]
-                dx = grads[len(flat_weights):] if input_gradient else [tf.zeros_like(a) for a in xs]
-                return list(dx) + list(sums)
+                    with placement.on_stage(scopes[s]):
+                        # The stage's own copy of its input: what the backward keeps of it stays here.
+                        h = tf.nest.map_structure(tf.identity, h)
 
-            return out_float, grad_fn
+                        def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
+                            return job.run_stage(s, ws, x, micro_ctx)
+                        h = stage_op(fn, weights[s], h, s > 0 or input_gradient, job.plan.remat[s], devices[s])
+                with placement.on_stage(scopes[-1]):
+                    i_next = i + 1
+                    index = i_next - 1  # a tensor of this stage (the loop's own input would be kept elsewhere)
+                    arrays = tuple(a.write(index, leaf) for a, leaf in zip(arrays, tf.nest.flatten(h)))
+                    if aux_spec:
+                        stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec})
+                        aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
+                return (i_next, first_next, weights, *aux_sums, *arrays)
 
-        float_out = pipeline(*flat_inputs, *[w for flat in flat_theta for w in flat])
-        floats = iter(float_out)
-        outputs = tf.nest.pack_sequence_as(job.output_spec,
-                                           [next(floats) if is_float(o) else o for o in result["out"]])
-        return outputs, result.get("aux")
+            with tf.device(devices[-1]):
+                arrays = tuple(tf.TensorArray(sp.dtype, size=m, element_shape=sp.shape) for sp in flat_spec)
+                aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in flat_aux_spec)
+            condition = placement.host_device()
+            # The weights are loop variables passed through unchanged: their gradient is a loop variable of the
+            # backward loop that starts from the zeros below, on the stage's device, and sums there.
+            _, _, weights_out, *state = loop_parts.host_loop(
+                body, (*loop_parts.counters([devices[-1], devices[0]]), tuple(tuple(ws) for ws in thetas),
+                       *aux_zeros, *arrays), m, parallel_iterations)
+            with tf.device(devices[-1]):
+                flat_out = [microbatch.merge(a.stack()) for a in state[num_aux:]]
+        if aux_spec:
+            result["aux"] = tf.nest.pack_sequence_as(aux_spec, state[:num_aux])
+        result["out"] = flat_out
+        out_float = [t for t in flat_out if is_float(t)]
+
+        def grad_fn(*dy: tf.Tensor) -> list[tf.Tensor]:
+            with tf.device(devices[-1]):
+                dy = [tf.identity(d) for d in dy]
+            ends, starts = [], []
+            for s in range(k):
+                with tf.device(devices[s]):
+                    ends += list(weights_out[s])
+                    starts += [tf.zeros_like(w) for w in weights_out[s]]
+            wrt = flat_weights + (xs if input_gradient else [])
+            # Counters and the outputs (TensorArrays) live on the last stage; so do their gradients.
+            with placement.colocate_gradients(devices[-1], condition):
+                grads = tape.gradient(out_float + ends, wrt, output_gradients=dy + starts,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            sums = grads[:len(flat_weights)]
+            dx = grads[len(flat_weights):] if input_gradient else [tf.zeros_like(a) for a in xs]
+            return list(dx) + list(sums)
+
+        return out_float, grad_fn
+
+    float_out = pipeline(*flat_inputs, *[w for flat in flat_theta for w in flat])
+    floats = iter(float_out)
+    outputs = tf.nest.pack_sequence_as(job.output_spec,
+                                       [next(floats) if is_float(o) else o for o in result["out"]])
+    return outputs, result.get("aux")

@@ -6,25 +6,29 @@ visits every device v times; a pipeline stage is 1/v of a fill-drain stage's wor
 are v times shorter: the bubble goes from (K-1)/(M+K-1) toward (K-1)/(vM+K-1), at the price of v times the
 stage-boundary transfers.
 
-The loop is `OneForwardOneBackward`'s over the v*K pipeline stages: micro-batch i's forward through every
-stage, its loss and its backward in one iteration, and pipeline stage s starting micro-batch i only after its
-backward of micro-batch i - (vK - s). As in Megatron-LM, micro-batches go in groups of K: device d's first
-chunk starts micro-batch i only after its last chunk's forward of micro-batch i - K (`forward_waits`), so M
-must be a multiple of K.
+The order is data (`orders.interleaved`), run by the loop of 1F1B (`windowed_loop.run`) over the v*K pipeline
+stages: micro-batch i's forward through every stage, its loss and its backward in one iteration, and pipeline
+stage s starting micro-batch i only after its backward of micro-batch i - (vK - s). As in Megatron-LM,
+micro-batches go in groups of K: device d's first chunk starts micro-batch i only after its last chunk's forward
+of micro-batch i - K (the order's `forward_waits`; without it a device runs its first chunk's forwards ahead, as
+far as the in-flight bound lets it, and the bubble grows: measured 17.4% against 11.1% for the same K=2, M=4
+step), so M must be a multiple of K.
 """
 
 from __future__ import annotations
 
-from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
-from gpipe_tf.gpipe.plan import StagePlan
-from gpipe_tf.gpipe.schedule_base import PipelineJob
+from typing import Any
+
+from gpipe_tf.gpipe import fill_drain, orders, windowed_loop
+from gpipe_tf.gpipe.orders import ScheduleOrder
+from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 
-class Interleaved(OneForwardOneBackward):
+class Interleaved(Schedule, short_name="interleaved"):
     """Megatron-LM's interleaved 1F1B: v chunks of layers per device, pipeline stage c*K + d on device d."""
 
-    order = "interleaved"
+    needs_output_spec = True  # outside training it runs fill-drain's forward loop, which preallocates outputs
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -41,22 +45,16 @@ class Interleaved(OneForwardOneBackward):
             raise ParamsError(f"{path}.schedule.virtual_stages={value!r} must be a whole number >= 1 (2 or more "
                               "interleaves; 1 is OneForwardOneBackward)")
 
-    def validate(self, plan: StagePlan, num_micro_batches: int, path: str = "") -> None:
-        """M must be a multiple of the device count K (Megatron-LM's groups of K micro-batches)."""
-        k = plan.num_devices
-        if num_micro_batches % k:
-            valid = [k, 2 * k, 4 * k]
-            raise ParamsError(f"{path}.num_micro_batches={num_micro_batches} is not a multiple of "
-                              f"num_stages={k}: the Interleaved schedule runs micro-batches in groups of num_stages; "
-                              f"use a multiple of {k} that divides the batch size (e.g. {valid}), or the "
-                              "OneForwardOneBackward schedule")
+    def step_order(self, num_devices: int) -> ScheduleOrder:
+        """Megatron-LM's interleaved order on v = virtual_stages chunks per device (`orders.interleaved`)."""
+        return orders.interleaved(num_devices, self.p.virtual_stages)
 
-    def forward_waits(self, job: PipelineJob) -> dict[int, tuple[int, int]]:
-        """Megatron-LM's groups: device d's first chunk starts micro-batch i only after its last chunk's forward
-        of micro-batch i - K, so each group of K micro-batches passes every chunk of the device before the next
-        group starts (without it, a device runs its first chunk's forwards ahead, as far as the in-flight bound
-        lets it, and the bubble grows: measured 17.4% against 11.1% for the same K=2, M=4 step)."""
-        k = job.plan.num_devices
-        v = job.num_chunks // k
-        return {d: (d + (v - 1) * k, k) for d in range(k)} if v > 1 else {}
+    def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
+        """The forward pass alone, as fill-drain's loop over the v x K chunks (no backward order to keep)."""
+        return fill_drain.run_loop(job, inputs)
 
+    def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
+        """Forward, loss and backward of every micro-batch in one loop (`windowed_loop.run`) when training."""
+        if not job.training:
+            return super().run_with_loss(job, inputs, loss)
+        return windowed_loop.run(job, inputs, loss, self.step_order(job.plan.num_devices))

@@ -68,7 +68,8 @@ class GPipe(BaseLayer):
         p.define("schedule", FillDrain.params(), "The schedule's Params: FillDrain.params() (default; GPipe's "
                  "order in one while loop, graph and trace time constant in M), OneForwardOneBackward.params() "
                  "(1F1B: the loss in the last stage, at most K - k micro-batches held by stage k), "
-                 "Interleaved.params().set(virtual_stages=v) (v chunks of layers per device, a smaller bubble) or "
+                 "Interleaved.params().set(virtual_stages=v) (v chunks of layers per device, a smaller bubble), "
+                 "ZeroBubble.params() (ZB-H1: 1F1B with the weight gradients free to fill the bubbles) or "
                  "Unrolled.params() (every (stage, micro-batch) step its own op group; the graph grows with M). A "
                  f"name from {tuple(SCHEDULES)} stands for that class's defaults. README 'How the pipeline works' "
                  "says which to pick.")
@@ -85,7 +86,8 @@ class GPipe(BaseLayer):
         schedule: Schedule = schedule_params(p.schedule, self.path).instantiate(self.path)
         # D data-parallel replicas (train.num_replicas; the trainer builds the task inside placement.replicas(D)):
         # replica r's stage k on device r*K+k, each with its own gradient sums.
-        self.plan: StagePlan = make_plan(p, num_replicas=placement.num_replicas(), path=self.path)
+        self.plan: StagePlan = make_plan(p, virtual_stages=schedule.step_order(max(1, p.num_stages)).virtual_stages,
+                                         num_replicas=placement.num_replicas(), path=self.path)
         schedule.validate(self.plan, p.num_micro_batches, self.path)
         self.replica_devices = [list(devices) for devices in self.plan.devices]
         self.devices = self.replica_devices[0]

@@ -97,13 +97,16 @@ def time_layer_params(layers: Sequence[InstantiableParams], input_spec: Any) -> 
     return partition.time_layers([lp.copy().instantiate() for lp in layers], sample)
 
 
-def make_plan(p: InstantiableParams, *, input_spec: Any = None, num_replicas: int | None = 1,
-              measure: LayerTimer | None = time_layer_params, path: str = "") -> StagePlan:
+def make_plan(p: InstantiableParams, *, virtual_stages: int = 1, input_spec: Any = None,
+              num_replicas: int | None = 1, measure: LayerTimer | None = time_layer_params,
+              path: str = "") -> StagePlan:
     """The stage plan of the GPipe layer configured by `p` (GPipe.params()).
 
     Args:
       p: the GPipe Params (layers, num_stages, balance, balance_by, micro_batch_shape, input_dtype, remat,
         device_kind, devices).
+      virtual_stages: v, chunks per device: the schedule's (`Schedule.step_order(K).virtual_stages`, 2 or more
+        for Interleaved, else 1); the plan makes v x K chunks.
       input_spec: one micro-batch of the first layer's input (any nested TensorSpecs), for balance_by 'flops' or
         'time'; None: `micro_batch_spec(p)`.
       num_replicas: data-parallel replicas to place (D); None: leave devices unresolved (plan.devices is None).
@@ -114,12 +117,12 @@ def make_plan(p: InstantiableParams, *, input_spec: Any = None, num_replicas: in
       ParamsError: a bad value in `p`; the message names it, the allowed values and the fix.
       TimingRequired: balance_by='time' with no explicit balance and `measure` is None.
     """
-    from gpipe_tf.gpipe.schedules import virtual_stages  # the schedules import this module
-
     path = path or p.name or "GPipe"
     layers = list(p.layers)
     num_layers, num_devices = len(layers), p.num_stages
-    v = virtual_stages(p.schedule, path)
+    v = virtual_stages
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ParamsError(f"{path}: virtual_stages={v!r} must be a whole number >= 1 (chunks per device)")
     k = num_devices * v
     if not layers:
         raise ParamsError(f"{path}.layers is empty; give the layer Params to pipeline")

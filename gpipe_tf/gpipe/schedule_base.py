@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
@@ -116,36 +117,63 @@ def stopped_arguments(args: Sequence[tf.Tensor], default_device: str, num_inputs
     return stopped[:num_inputs], thetas, stopped[start:]
 
 
+# Short names a `schedule` field may hold instead of Params: {name: class}, filled by each subclass that gives one
+# (`class FillDrain(Schedule, short_name="fill_drain")`), so that this module imports no schedule.
+_SHORT_NAMES: dict[str, type] = {}
+
+
 class Schedule:
-    """Base class of pipeline schedules: Params-configured, owning their state, run on a `PipelineJob`."""
+    """Base class of pipeline schedules: Params-configured, owning their state, run on a `PipelineJob`.
+
+    A subclass may give a short name, `class FillDrain(Schedule, short_name="fill_drain")`, which then stands for
+    its default Params wherever a `schedule` field is set (`named_params`).
+    """
 
     # Whether `run` reads `PipelineJob.output_spec`.
     needs_output_spec = False
-    # The order this schedule runs cells in, as `timeline.predict` names it (its predicted picture).
-    order = "fill_drain"
 
     @classmethod
     def params(cls) -> InstantiableParams:
         """Default Params; subclasses define their knobs."""
         return InstantiableParams(cls)
 
+    def __init_subclass__(cls, short_name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if short_name is not None:
+            if short_name in _SHORT_NAMES and _SHORT_NAMES[short_name] is not cls:
+                raise ValueError(f"schedule short name {short_name!r} is taken by {_SHORT_NAMES[short_name]}; "
+                                 f"give {cls.__name__} another")
+            _SHORT_NAMES[short_name] = cls
+
+    @classmethod
+    def short_names(cls) -> dict[str, type[Schedule]]:
+        """{short name: schedule class} of every schedule imported so far (`schedules.py` imports them all), in the
+        names' alphabetical order."""
+        return dict(sorted(_SHORT_NAMES.items()))
+
     @classmethod
     def named_params(cls, name: str) -> InstantiableParams:
-        """The default Params of the schedule a short name stands for (`schedules.SCHEDULES`): what an override
-        such as `task.network.schedule=interleaved` sets."""
-        from gpipe_tf.gpipe import schedules  # lazy: that module imports every schedule, this one among them
-
-        if name not in schedules.SCHEDULES:
-            raise ParamsError(f"unknown schedule name {name!r}: use one of {', '.join(schedules.SCHEDULES)}, or a "
+        """The default Params of the schedule a short name stands for (`short_names`): what an override such as
+        `task.network.schedule=interleaved` sets."""
+        if name not in _SHORT_NAMES:
+            raise ParamsError(f"unknown schedule name {name!r}: use one of {', '.join(cls.short_names())}, or a "
                               "schedule class path, e.g. gpipe_tf.gpipe.interleaved.Interleaved")
-        return schedules.SCHEDULES[name].params()
+        return _SHORT_NAMES[name].params()
 
     def __init__(self, params: InstantiableParams, path: str = "") -> None:
         self.p = params.copy().freeze()
         self.path = path
 
+    def step_order(self, num_devices: int) -> ScheduleOrder:
+        """This schedule's order of one step's cells on `num_devices` devices, as data (`orders.ScheduleOrder`):
+        stated once here, and read by its loop, `timeline.predict`, the measured-timeline reader and the
+        benchmark's bound. Its `virtual_stages` is the chunks per device the stage plan makes."""
+        raise NotImplementedError
+
     def validate(self, plan: StagePlan, num_micro_batches: int, path: str = "") -> None:
-        """Raises ParamsError where this schedule cannot run `plan` with `num_micro_batches` (default: any can)."""
+        """Raises ParamsError where this schedule cannot run `plan` with `num_micro_batches` (default: where M
+        is not a multiple of its order's `micro_batch_multiple`)."""
+        self.step_order(plan.num_devices).check_micro_batches(num_micro_batches, path)
 
     def allocate(self, plan: StagePlan, stage_variables: Sequence[Sequence[tf.Variable]]) -> None:
         """Creates the schedule's state once, when the GPipe layer is built (default: none).

@@ -9,12 +9,15 @@ from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
 from gpipe_tf.gpipe.schedule_base import Schedule
 from gpipe_tf.gpipe.unrolled import Unrolled
+from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
+__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "SCHEDULES",
+           "schedule_params", "schedule_name", "virtual_stages"]
+
 # Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its
-# class's default Params.
-SCHEDULES: dict[str, type[Schedule]] = {"fill_drain": FillDrain, "one_f_one_b": OneForwardOneBackward,
-                                        "interleaved": Interleaved, "unrolled": Unrolled}
+# class's default Params. Each class gives its own (`Schedule.short_names`); importing them all here fills the table.
+SCHEDULES: dict[str, type[Schedule]] = Schedule.short_names()
 
 
 def schedule_params(value: Any, path: str = "") -> InstantiableParams:
@@ -36,7 +39,8 @@ def schedule_name(value: Any, path: str = "") -> str:
     return f"{name}(virtual_stages={p.virtual_stages})" if issubclass(p.cls, Interleaved) else name
 
 
-def virtual_stages(value: Any, path: str = "") -> int:
-    """Pipeline stages per device of the schedule a `schedule` field stands for: v for Interleaved, else 1."""
-    p = schedule_params(value, path)
-    return int(p.virtual_stages) if issubclass(p.cls, Interleaved) else 1
+def virtual_stages(value: Any, num_stages: int, path: str = "") -> int:
+    """Chunks per device of the schedule a `schedule` field stands for, on `num_stages` devices: its order's v
+    (`Schedule.step_order`), what `plan.make_plan` takes."""
+    schedule = schedule_params(value, path).instantiate(path)
+    return schedule.step_order(max(1, int(num_stages))).virtual_stages

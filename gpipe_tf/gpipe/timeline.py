@@ -1,30 +1,18 @@
-"""Pipeline schedules as timelines: predicted for K stages over M micro-batches, or measured; and their pictures.
+"""Pipeline schedules as timelines: predicted from a schedule's order data and stage costs, or measured.
 
-Three orders are predicted (`predict`), each stage running one cell (a forward 'F' or backward 'B' of one
-micro-batch) at a time, each cell as early as its dependencies allow:
+`predict` simulates one step of a schedule's order (`orders.ScheduleOrder`, the same data the schedule's loop is
+built from): every device runs one cell (a forward 'F' or backward 'B' of one micro-batch on one pipeline
+stage, and for zero-bubble orders its weight gradients 'W' apart from B) at a time, each cell as soon as its
+dependencies in the order have ended and its device is free, the device taking the cell that became ready
+first (a backward before a forward that became ready at the same instant, W last), as a TensorFlow worker runs
+ops as their inputs arrive. For fill-drain and 1F1B, equal stage costs give exactly GPipe's bubble
+(K-1)/(M+K-1), whatever the backward/forward ratio; interleaving v chunks per device lowers the bound to
+(K-1)/(vM+K-1) (reached at K=2), and zero-bubble orders go below GPipe's bound by running W in the
+bubbles. Unbalanced stages or per-stage rematerialization do worse, and `predict` shows by how much before
+anything is run.
 
-- ``fill_drain`` (GPipe): every stage runs the forwards of micro-batches 0..M-1, then the backwards from M-1 down
-  to 0. Stage k holds all M micro-batches' stashed inputs (or activations) until its backwards start.
-- ``one_f_one_b`` (PipeDream-Flush, "1F1B"): stage k runs K-k-1 warm-up forwards, then alternates one forward and
-  one backward, then drains the last backwards. A backward frees its micro-batch as soon as the loss gradient
-  has come back, so stage k never holds more than K-k micro-batches; the bubble stays GPipe's, since the
-  pipeline still fills and drains once per step.
-- ``interleaved`` (Megatron-LM): each of the K devices holds v chunks ("virtual stages"), chunk c of device d
-  being pipeline stage c*K + d. A device's cells are v times shorter, so filling and draining the pipeline
-  idles each device for (K-1) short cells instead of (K-1) long ones: the bubble shrinks from (K-1)/(M+K-1)
-  to (K-1)/(vM+K-1). The price is about v times as many stage-to-stage transfers (a micro-batch crosses vK-1
-  stage boundaries each way instead of K-1) and M a multiple of K.
-
-With equal stage costs the idle fraction ("bubble") is exactly that bound, (K-1)/(M+K-1) for fill-drain and 1F1B,
-(K-1)/(vM+K-1) interleaved, whatever the backward/forward ratio; unbalanced stages or per-stage
-rematerialization do worse, and `predict` shows by how much before anything is run. `Timeline.measured` builds
-the same structure from measured cells (seconds), transfers ('T') included, so a profiled step can be drawn next
-to its prediction.
-
-`render_text` draws a timeline for logs, `render_png` / `image_tensor` for files and `tf.summary.image` (a titled,
-labelled picture with a legend, drawn with Pillow, which TensorBoard itself depends on);
-`render_comparison_text` / `render_comparison_png` / `comparison_image_tensor` draw a predicted and a measured
-timeline one above the other.
+`Timeline.measured` builds the same structure from measured cells (seconds), transfers ('T') included, so a
+profiled step can be drawn next to its prediction (`gpipe_tf.training.timeline_pictures` draws both).
 """
 
 from __future__ import annotations
@@ -33,80 +21,20 @@ import collections.abc
 import dataclasses
 import math
 import numbers
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from gpipe_tf.gpipe.orders import BACKWARD, FORWARD, WEIGHT, ScheduleOrder, fill_drain
 from gpipe_tf.hyperparams import ParamsError
 
-if TYPE_CHECKING:  # TensorFlow is only needed for the picture; predicting and text stay import-light.
-    import tensorflow as tf
+__all__ = ["Cell", "Timeline", "predict", "check_positive", "FORWARD", "BACKWARD", "WEIGHT", "TRANSFER", "PHASES"]
 
-__all__ = ["Cell", "Timeline", "PictureLayout", "SCHEDULES", "check_schedule", "predict", "render_text",
-           "render_png", "image_tensor", "picture_layout", "title", "cell_color", "render_comparison_text",
-           "render_comparison_png", "comparison_layout", "comparison_image_tensor",
-           "FORWARD_COLORS", "BACKWARD_COLORS", "TRANSFER_COLOR", "IDLE_COLOR", "GRID_COLOR", "TEXT_COLOR",
-           "LIGHT_TEXT_COLOR"]
-
-FORWARD = "F"
-BACKWARD = "B"
 TRANSFER = "T"
-PHASES = (FORWARD, BACKWARD, TRANSFER)
-FILL_DRAIN = "fill_drain"
-ONE_F_ONE_B = "one_f_one_b"
-INTERLEAVED = "interleaved"
-SCHEDULES = (FILL_DRAIN, ONE_F_ONE_B, INTERLEAVED)
-
-# Two shades per phase, alternating with the micro-batch parity, so neighbouring cells stay distinguishable
-# even where a grid line is hard to see in a downscaled summary image. Interleaved chunks darken these shades
-# (`cell_color`); transfers of measured timelines get a third hue.
-FORWARD_COLORS = ((110, 160, 230), (150, 190, 245))
-BACKWARD_COLORS = ((235, 140, 80), (245, 180, 125))
-TRANSFER_COLOR = (140, 200, 140)
-IDLE_COLOR = (255, 255, 255)
-GRID_COLOR = (205, 205, 205)
-TEXT_COLOR = (25, 25, 25)
-LIGHT_TEXT_COLOR = (250, 250, 250)  # digits on dark (late-chunk) cells; not pure white, which means idle
-_CHUNK_DARKENING = 0.45  # the last chunk's shade: this fraction darker than chunk 0's
-_DARK_LUMINANCE = 120  # cells darker than this get light digits
-
-# A pathological cost spread (e.g. 1e-6 next to 1.0) would otherwise make a default-tick picture millions of
-# columns wide; the default tick is coarsened to stay under this, an explicit one is refused above it.
-_MAX_COLUMNS = 4096
-_MAX_PIXELS = 64 * 1024 * 1024
-# The picture: the grid scaled to about this many pixels wide by default, never more than _AUTO_MAX_PIXELS (a
-# summary image TensorBoard shows at once); text sizes in pixels; the margin between parts.
-_TARGET_WIDTH = 1200
-_AUTO_MAX_PIXELS = 16 * 1024 * 1024
-# A predicted picture drawn at the default cell size is never wider than this: TensorBoard shows an image at
-# about this width, so a longer grid wraps into bands of rows, one below the other, each holding the next
-# columns (measured: an interleaved K=4 M=16 v=4 grid drawn in one band was 4368 px wide). Its default tick is
-# coarsened so that it has at most _MAX_WRAPPED_COLUMNS columns (a few bands), a cell shorter than the tick
-# still taking one column of its own (`_show_hidden_cells`).
-_MAX_PICTURE_WIDTH = 1300
-_MAX_WRAPPED_COLUMNS = 400
-_HIDDEN_CELL_REACH = 2
-_TITLE_PX = 20
-_LABEL_PX = 16
-_PAD = 10
-_MIN_TICK_LABEL_PX = 80  # measured pictures: at least this many pixels between two millisecond labels
-
-# 3x5 bitmap digits, '#' = ink. Tiny on purpose: scaled up by an integer factor to fit the cell.
-_GLYPHS = {
-    "0": ("###", "#.#", "#.#", "#.#", "###"),
-    "1": (".#.", "##.", ".#.", ".#.", "###"),
-    "2": ("###", "..#", "###", "#..", "###"),
-    "3": ("###", "..#", ".##", "..#", "###"),
-    "4": ("#.#", "#.#", "###", "..#", "..#"),
-    "5": ("###", "#..", "###", "..#", "###"),
-    "6": ("###", "#..", "###", "#.#", "###"),
-    "7": ("###", "..#", ".#.", ".#.", ".#."),
-    "8": ("###", "#.#", "###", "#.#", "###"),
-    "9": ("###", "#.#", "###", "..#", "###"),
-}
+PHASES = (FORWARD, BACKWARD, WEIGHT, TRANSFER)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
 _SEQUENCES = (collections.abc.Sequence, np.ndarray)
 
-_GLYPH_MASKS = {d: np.array([[ch == "#" for ch in row] for row in rows], dtype=bool) for d, rows in _GLYPHS.items()}
 
 
 @dataclasses.dataclass
@@ -116,6 +44,10 @@ class Cell:
 
     With the interleaved schedule `stage` is the device (the row drawn) and `chunk` which of its virtual stages
     runs: the pipeline stage is chunk * K + stage (`Timeline.pipeline_stage`). Otherwise chunk is 0.
+
+    `ops` (measured cells): the intervals the cell's ops ran in, inside [start, end]. A worker runs ops of
+    different micro-batches as their inputs arrive (the next micro-batch's forward beside the current backward),
+    so a cell's span may hold other cells' ops and idle time; its ops are its compute. Empty: the whole span.
     """
 
     stage: int
@@ -124,57 +56,83 @@ class Cell:
     start: float
     end: float
     chunk: int = 0
+    ops: tuple[tuple[float, float], ...] = ()
 
     @property
     def duration(self) -> float:
         """end - start."""
         return self.end - self.start
 
+    @property
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """The intervals the cell computes in: its ops', else its whole span."""
+        return list(self.ops) if self.ops else [(self.start, self.end)]
+
+    @property
+    def compute(self) -> float:
+        """The time the cell computes: the union of `busy_intervals` (its duration when it has no ops)."""
+        return _union_length(self.busy_intervals)
+
 
 @dataclasses.dataclass
 class Timeline:
     """A predicted or measured schedule: every cell with its start and end, the makespan and the bubble fraction.
 
-    Rows (`num_stages`, K) are stages, or devices for the interleaved schedule, whose v = `virtual_stages` chunks
-    make K * v pipeline stages. `bubble_fraction` is the share of K * makespan in which a row computes neither a
+    `order` is the schedule's order it ran or simulates. Rows (`num_stages`, K) are its devices, whose
+    v = `virtual_stages` chunks make K * v pipeline stages (one chunk, and rows are stages, unless interleaved).
+    `bubble_fraction` is the share of K * makespan in which a row computes neither a
     forward nor a backward; `idle_fraction` the share in which it does nothing at all, transfers counting as
     busy (the two differ only for measured timelines with 'T' cells). Measured timelines (`Timeline.measured`)
     are in seconds and start at 0; predicted ones are in the unit of the stage costs.
     """
 
-    num_stages: int
+    order: ScheduleOrder
     num_micro_batches: int
     cells: list[Cell]
     makespan: float
     bubble_fraction: float
     remat: tuple[bool, ...] | None = None  # per pipeline stage: its backward recomputes its forward
-    schedule: str = FILL_DRAIN
-    virtual_stages: int = 1
     is_measured: bool = False
     idle_fraction: float | None = None
 
+    @property
+    def num_stages(self) -> int:
+        """K, the rows: devices (stages unless interleaved)."""
+        return self.order.num_devices
+
+    @property
+    def virtual_stages(self) -> int:
+        """v, chunks per device."""
+        return self.order.virtual_stages
+
+    @property
+    def schedule(self) -> str:
+        """The order's name."""
+        return self.order.name
+
     @classmethod
-    def measured(cls, num_stages: int, num_micro_batches: int, cells: Sequence[Cell], *,
-                 schedule: str = FILL_DRAIN, virtual_stages: int = 1) -> Timeline:
+    def measured(cls, order: ScheduleOrder, num_micro_batches: int, cells: Sequence[Cell]) -> Timeline:
         """A timeline of measured cells (times in seconds, any origin: shifted so that the earliest start is 0).
 
         Cells of one row may overlap (a profiler sees what really ran); the busy time of a row is the union of its
-        cells' intervals. The bubble counts only forward and backward compute as busy, since a transfer is
-        pipeline overhead that a schedule exists to hide; `idle_fraction` also counts 'T' cells as busy.
+        cells' `busy_intervals` (their ops' intervals where given, else their spans). The bubble counts only
+        forward and backward compute as busy, since a transfer is pipeline overhead that a schedule exists to
+        hide; `idle_fraction` also counts 'T' cells as busy.
         makespan runs from the earliest start to the latest end, transfers included.
 
         Args:
-          num_stages: K, the rows (stages, or devices for the interleaved schedule).
+          order: the order of the schedule that ran (`Schedule.step_order(K)`): K rows, v chunks each; it names
+            the picture and sets the bound.
           num_micro_batches: M.
           cells: the measured cells; 'F' and 'B' need a micro-batch in [0, M), a 'T' cell may have None.
-          schedule: the schedule that ran, one of SCHEDULES (it names the picture and sets the bound).
-          virtual_stages: v, chunks per device (interleaved only).
 
         Raises:
           ParamsError: an argument or a cell is out of range, or the cells span no time.
         """
-        schedule, v = check_schedule(schedule, virtual_stages)
-        k = _check_count("num_stages", num_stages, "the number of pipeline stages (devices for interleaved)")
+        if not isinstance(order, ScheduleOrder):
+            raise ParamsError(f"order={order!r} is invalid: pass the ScheduleOrder of the schedule that ran, e.g. "
+                              "schedule.step_order(K) or orders.fill_drain(K)")
+        k, v = order.num_devices, order.virtual_stages
         m = _check_count("num_micro_batches", num_micro_batches, "the number of micro-batches per batch")
         if isinstance(cells, (str, bytes)) or not isinstance(cells, _SEQUENCES) or len(cells) == 0:
             raise ParamsError(f"cells={cells!r} is invalid: give a non-empty list of timeline.Cell, one per "
@@ -185,16 +143,16 @@ class Timeline:
         if makespan <= 0:
             raise ParamsError(f"cells span {makespan!r} seconds: a measured timeline needs at least one cell with "
                               "end > start")
-        shifted = sorted((dataclasses.replace(c, start=c.start - origin, end=c.end - origin) for c in checked),
-                         key=lambda c: (c.start, c.stage))
+        shifted = sorted((dataclasses.replace(c, start=c.start - origin, end=c.end - origin,
+                                              ops=tuple((a - origin, b - origin) for a, b in c.ops))
+                          for c in checked), key=lambda c: (c.start, c.stage))
 
         def busy(phases: tuple[str, ...]) -> float:
-            return sum(_union_length([(c.start, c.end) for c in shifted if c.stage == row and c.phase in phases])
-                       for row in range(k))
+            return sum(_union_length([interval for c in shifted if c.stage == row and c.phase in phases
+                                      for interval in c.busy_intervals]) for row in range(k))
 
-        return cls(num_stages=k, num_micro_batches=m, cells=shifted, makespan=makespan,
-                   bubble_fraction=1.0 - busy((FORWARD, BACKWARD)) / (k * makespan), schedule=schedule,
-                   virtual_stages=v, is_measured=True,
+        return cls(order=order, num_micro_batches=m, cells=shifted, makespan=makespan,
+                   bubble_fraction=1.0 - busy(COMPUTE) / (k * makespan), is_measured=True,
                    idle_fraction=1.0 - busy(PHASES) / (k * makespan))
 
     @property
@@ -207,14 +165,13 @@ class Timeline:
         return cell.chunk * self.num_stages + cell.stage
 
     def schedule_label(self) -> str:
-        """The schedule's name, with v for the interleaved schedule ("interleaved v=2")."""
-        return self.schedule + (f" v={self.virtual_stages}" if self.schedule == INTERLEAVED else "")
+        """The schedule's name, with v where a device runs several chunks ("interleaved v=2")."""
+        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
 
     def ideal_bubble_fraction(self) -> float:
-        """The bound reached exactly when all stages cost the same: GPipe's (K-1)/(M+K-1) for fill-drain and
-        1F1B, (K-1)/(vM+K-1) for the interleaved schedule."""
-        k, m = self.num_stages, self.num_micro_batches
-        return (k - 1) / (self.virtual_stages * m + k - 1)
+        """The order's bound (`ScheduleOrder.bubble_bound`): GPipe's (K-1)/(M+K-1), (K-1)/(vM+K-1) with v chunks
+        per device."""
+        return self.order.bubble_bound(self.num_micro_batches)
 
     def cell(self, stage: int, micro_batch: int, phase: str, chunk: int = 0) -> Cell:
         """The cell of row `stage` running `micro_batch` in `phase` ('F' or 'B'), of `chunk` when interleaved."""
@@ -245,26 +202,12 @@ def _check_count(name: str, value: object, what: str) -> int:
     return int(value)
 
 
-def _check_positive(name: str, value: object, what: str) -> float:
+def check_positive(name: str, value: object, what: str) -> float:
+    """`value` as a float when it is a finite number > 0, else a ParamsError naming `name`, the value and `what`."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
             or value <= 0):
         raise ParamsError(f"{name}={value!r} is invalid: it must be a finite number > 0 ({what})")
     return float(value)
-
-
-def check_schedule(schedule: object, virtual_stages: object) -> tuple[str, int]:
-    """(schedule, virtual_stages) checked: a name in SCHEDULES and an int v >= 1, v > 1 only when interleaved.
-
-    Raises:
-      ParamsError: naming the bad value and the allowed ones.
-    """
-    if schedule not in SCHEDULES:
-        raise ParamsError(f"schedule={schedule!r} is invalid: it must be one of {', '.join(map(repr, SCHEDULES))}")
-    v = _check_count("virtual_stages", virtual_stages, "chunks of layers per device")
-    if v != 1 and schedule != INTERLEAVED:
-        raise ParamsError(f"virtual_stages={v} is invalid with schedule={schedule!r}: only 'interleaved' runs "
-                          "several chunks per device; use schedule='interleaved' or virtual_stages=1")
-    return str(schedule), v
 
 
 def _check_measured_cell(j: int, cell: object, k: int, m: int, v: int) -> Cell:
@@ -281,7 +224,7 @@ def _check_measured_cell(j: int, cell: object, k: int, m: int, v: int) -> Cell:
     if not is_int(cell.stage) or not 0 <= cell.stage < k:
         raise bad("stage", f"an int in [0, {k}) (num_stages={k})")
     if cell.phase not in PHASES:
-        raise bad("phase", "'F' (forward), 'B' (backward) or 'T' (transfer)")
+        raise bad("phase", "'F' (forward), 'B' (backward), 'W' (weight gradients) or 'T' (transfer)")
     if cell.micro_batch is None and cell.phase != TRANSFER or (
             cell.micro_batch is not None and (not is_int(cell.micro_batch) or not 0 <= cell.micro_batch < m)):
         raise bad("micro_batch", f"an int in [0, {m}) (num_micro_batches={m})"
@@ -294,8 +237,13 @@ def _check_measured_cell(j: int, cell: object, k: int, m: int, v: int) -> Cell:
             raise bad(field, "a finite number of seconds")
     if cell.end < cell.start:
         raise bad("end", f"a time >= start={cell.start!r}")
+    ops = cell.ops if isinstance(cell.ops, _SEQUENCES) and not isinstance(cell.ops, (str, bytes)) else None
+    if ops is None or not all(isinstance(op, _SEQUENCES) and len(op) == 2 and all(
+            isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t) for t in op)
+            and cell.start <= op[0] <= op[1] <= cell.end for op in ops):
+        raise bad("ops", f"a list of (start, end) op intervals inside the cell's [{cell.start!r}, {cell.end!r}]")
     return dataclasses.replace(cell, stage=int(cell.stage), start=float(cell.start), end=float(cell.end),
-                               chunk=int(cell.chunk),
+                               chunk=int(cell.chunk), ops=tuple((float(a), float(b)) for a, b in ops),
                                micro_batch=None if cell.micro_batch is None else int(cell.micro_batch))
 
 
@@ -309,7 +257,7 @@ def _check_costs(stage_costs: Sequence[float] | None, count: int, count_text: st
     if len(stage_costs) != count:
         raise ParamsError(f"{name}={list(stage_costs)!r} has {len(stage_costs)} entries for {count_text}: "
                           f"give exactly one {what} cost per pipeline stage")
-    return [_check_positive(f"{name}[{k}]", c, f"a stage's {what} cost, e.g. its measured seconds")
+    return [check_positive(f"{name}[{k}]", c, f"a stage's {what} cost, e.g. its measured seconds")
             for k, c in enumerate(stage_costs)]
 
 
@@ -327,662 +275,98 @@ def _check_remat(remat: Sequence[bool] | bool, count: int, count_text: str) -> l
             raise ParamsError(f"remat[{k}]={r!r} is invalid: it must be True or False")
     return [bool(r) for r in remat]
 
+def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> list[Cell]:
+    """Every cell of `order` at its start: when its dependencies have ended and its device is free, the device
+    taking the cell that became ready first. Ties, and weight gradients (W, off the critical path): a device
+    takes F and B before W when both can start at once, then the cell ready first, a backward before a
+    forward, the lower micro-batch and stage.
 
-def _warmup_then_alternate(forwards: list[tuple[int, int]], backwards: list[tuple[int, int]],
-                           warmup: int) -> list[tuple[str, int, int]]:
-    """`warmup` forwards, then one forward and one backward in turn, then the remaining backwards.
-
-    forwards / backwards: (chunk, micro_batch) in the order the device runs them. All three schedules are this
-    pattern: fill-drain is the case warmup = every forward.
+    Committing the cell that can start earliest is final: any cell not yet ready waits for a cell that starts
+    no earlier, so nothing committed later could have started before it on the same device.
     """
-    steady = len(forwards) - warmup
-    order = [(FORWARD, c, i) for c, i in forwards[:warmup]]
-    for j in range(steady):
-        order += [(FORWARD, *forwards[warmup + j]), (BACKWARD, *backwards[j])]
-    return order + [(BACKWARD, c, i) for c, i in backwards[steady:]]
+    k, stages = order.num_devices, order.num_stages
+    keys = [(phase, s, i) for s in range(stages) for i in range(m) for phase in order.phases]
+    deps = {key: order.dependencies(*key, m) for key in keys}
+    dependents: dict[tuple, list[tuple]] = {key: [] for key in keys}
+    for key, needs in deps.items():
+        for need in needs:
+            dependents[need].append(key)
+    missing = {key: len(needs) for key, needs in deps.items()}
+    ready = {key: 0.0 for key in keys if not missing[key]}
+    free, ends, cells = [0.0] * k, {}, []
 
+    def priority(key: tuple) -> tuple:
+        phase, s, i = key
+        return max(free[order.device(s)], ready[key]), phase == WEIGHT, ready[key], phase != BACKWARD, i, s
 
-def _interleaved_sequence(num_devices: int, num_micro_batches: int, virtual_stages: int,
-                          forward: bool) -> list[tuple[int, int]]:
-    """Megatron-LM's (chunk, micro_batch) order on each device: groups of K micro-batches, each group through
-    chunk 0, 1, ..., v-1 (forward) or v-1, ..., 0 (backward) before the next group starts."""
-    k, v = num_devices, virtual_stages
-    sequence = []
-    for j in range(v * num_micro_batches):
-        chunk = (j % (k * v)) // k
-        sequence.append((chunk if forward else v - 1 - chunk, (j // (k * v)) * k + j % k))
-    return sequence
-
-
-def _device_orders(schedule: str, k: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
-    """Each device's cells, (phase, chunk, micro_batch), in the order the schedule runs them."""
-    orders = []
-    for d in range(k):
-        if schedule == FILL_DRAIN:
-            forwards = [(0, i) for i in range(m)]
-            orders.append(_warmup_then_alternate(forwards, forwards[::-1], m))
-        elif schedule == ONE_F_ONE_B:
-            forwards = [(0, i) for i in range(m)]
-            orders.append(_warmup_then_alternate(forwards, forwards, min(k - d - 1, m)))
-        else:
-            # Megatron-LM's warm-up: enough forwards that the device's first backward (chunk v-1 of micro-batch
-            # 0) finds its gradient arriving; with M == K every forward is warm-up.
-            warmup = v * m if m == k else min((k - d - 1) * 2 + (v - 1) * k, v * m)
-            orders.append(_warmup_then_alternate(_interleaved_sequence(k, m, v, True),
-                                                 _interleaved_sequence(k, m, v, False), warmup))
-    return orders
-
-
-def _simulate(orders: list[list[tuple[str, int, int]]], forward_cost: list[float],
-              backward_cost: list[float]) -> list[Cell]:
-    """Every cell at its earliest start: after its device's previous cell and after its dependency.
-
-    F(s, i) waits for F(s-1, i); B(s, i) for B(s+1, i), and the last stage's backward for its own forward (the
-    loss is computed inside the last stage, per micro-batch). The per-device orders are fixed and the
-    dependencies acyclic, so repeatedly advancing every device as far as its next dependency allows reaches
-    every cell, each at its earliest start: the same result as an event-driven simulation, without a queue.
-    """
-    k, last = len(orders), len(forward_cost) - 1
-    ends: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * k
-    position = [0] * k
-    cells: list[Cell] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for d, order in enumerate(orders):
-            while position[d] < len(order):
-                phase, chunk, i = order[position[d]]
-                s = chunk * k + d
-                if phase == FORWARD:
-                    dependency = (FORWARD, s - 1, i) if s > 0 else None
-                else:
-                    dependency = (BACKWARD, s + 1, i) if s < last else (FORWARD, s, i)
-                if dependency is not None and dependency not in ends:
-                    break
-                start = max(free[d], ends[dependency]) if dependency is not None else free[d]
-                end = start + (forward_cost[s] if phase == FORWARD else backward_cost[s])
-                ends[phase, s, i] = free[d] = end
-                cells.append(Cell(d, i, phase, start, end, chunk))
-                position[d] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the orders above; a new order that deadlocks must not hang
-            waiting = {d: order[position[d]] for d, order in enumerate(orders) if position[d] < len(order)}
-            raise RuntimeError(f"the schedule deadlocks: each device waits on a dependency, next cells {waiting}")
+    while ready:
+        key = min(ready, key=priority)
+        phase, s, i = key
+        d = order.device(s)
+        start = max(free[d], ready.pop(key))
+        ends[key] = free[d] = start + costs[phase][s]
+        cells.append(Cell(d, i, phase, start, ends[key], s // k))
+        for waiting in dependents[key]:
+            missing[waiting] -= 1
+            if not missing[waiting]:
+                ready[waiting] = max(ends[need] for need in deps[waiting])
+    if len(cells) != len(keys):  # an order whose rings wait on each other in a circle must not pass silently
+        stuck = sorted(key for key in keys if key not in ends)[:4]
+        raise ParamsError(f"the {order.name} order deadlocks: cells such as {stuck} wait on each other; fix its "
+                          "in_flight windows or forward_waits")
     return cells
 
 
-def predict(num_stages: int, num_micro_batches: int, stage_costs: Sequence[float] | None = None,
-            backward_ratio: float = 2.0, remat: Sequence[bool] | bool = False, *, schedule: str = FILL_DRAIN,
-            virtual_stages: int = 1, backward_costs: Sequence[float] | None = None) -> Timeline:
-    """Simulates a pipeline schedule and returns its timeline.
-
-    Each stage (device, when interleaved) runs one cell at a time in the schedule's fixed order, each cell as
-    early as its dependencies allow: F(s, i) after F(s-1, i); B(s, i) after B(s+1, i); the last stage's backward
-    after its own forward. The orders (k = 0..K-1 the stage):
-
-    - fill_drain (GPipe): forwards of micro-batches 0..M-1, then backwards of M-1..0.
-    - one_f_one_b (PipeDream-Flush): forwards 0..w-1 with w = min(K-k-1, M), then F(w+j), B(j) in turn, then the
-      last w backwards.
-    - interleaved (Megatron-LM): device d runs chunks c = 0..v-1, chunk c being pipeline stage c*K + d. Its
-      forwards go in groups of K micro-batches, each group through chunks 0..v-1 before the next; backwards the
-      same with chunks v-1..0. Warm-up forwards: min(2(K-d-1) + (v-1)K, vM), all vM when M == K; then one
-      forward and one backward in turn; then the remaining backwards.
+def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Sequence[float] | None = None,
+            backward_ratio: float = 2.0, remat: Sequence[bool] | bool = False, *,
+            backward_costs: Sequence[float] | None = None, weight_fraction: float = 0.5) -> Timeline:
+    """Simulates one step of a schedule's order and returns its timeline (see the module doc).
 
     F(s, i) costs stage_costs[s] (default 1.0 each); B(s, i) costs backward_ratio * stage_costs[s], plus
-    stage_costs[s] again where stage s is rematerialized (its forward is recomputed inside the backward).
+    stage_costs[s] again where stage s is rematerialized (its forward is recomputed inside the backward), or
+    backward_costs[s] when given (e.g. measured). Where the order splits each backward into B and W
+    (`ScheduleOrder.weight_window`), W(s, i) costs weight_fraction of the backward without its recomputation and
+    B(s, i) the rest.
 
     Args:
-      num_stages: K, the number of pipeline stages (of devices, for the interleaved schedule).
-      num_micro_batches: M, the number of micro-batches per batch (a multiple of K for the interleaved schedule).
+      order: the schedule's order (`Schedule.step_order(K)`, or `orders.fill_drain(K)` etc.); an int K stands
+        for GPipe's fill-drain order on K stages.
+      num_micro_batches: M (a multiple of `order.micro_batch_multiple`).
       stage_costs: forward cost of each pipeline stage (any time unit; K * v of them, in pipeline order), or None
         for equal stages.
       backward_ratio: backward cost / forward cost of a stage.
       remat: whether each pipeline stage recomputes its forward in the backward; one bool applies to all.
-      schedule: one of SCHEDULES: 'fill_drain', 'one_f_one_b' or 'interleaved'.
-      virtual_stages: v, chunks per device; only the interleaved schedule takes v > 1.
-      backward_costs: each pipeline stage's backward cost, instead of backward_ratio and remat (e.g. measured).
+      backward_costs: each pipeline stage's backward cost, instead of backward_ratio and remat.
+      weight_fraction: the share of a backward that its weight gradients take, in (0, 1); read only by orders
+        with separate W cells.
 
     Raises:
       ParamsError: an argument is out of range or has the wrong length.
     """
-    schedule, v = check_schedule(schedule, virtual_stages)
-    k_stages = _check_count("num_stages", num_stages, "the number of pipeline stages (devices for interleaved)")
+    if not isinstance(order, ScheduleOrder):
+        order = fill_drain(_check_count("num_stages", order, "the number of pipeline stages"))
     m = _check_count("num_micro_batches", num_micro_batches, "the number of micro-batches per batch")
-    if schedule == INTERLEAVED and m % k_stages:
-        raise ParamsError(f"num_micro_batches={m} is not a multiple of num_stages={k_stages}: the interleaved "
-                          f"schedule runs micro-batches in groups of K; use num_micro_batches="
-                          f"{(m // k_stages + 1) * k_stages}" + (f" or {m // k_stages * k_stages}" if m > k_stages
-                                                                  else "") + ", or schedule='one_f_one_b'")
-    count = k_stages * v
-    count_text = f"num_stages={k_stages}" + (f" x virtual_stages={v} = {count} pipeline stages" if v > 1 else "")
+    order.check_micro_batches(m)
+    k, v, count = order.num_devices, order.virtual_stages, order.num_stages
+    count_text = f"num_stages={k}" + (f" x virtual_stages={v} = {count} pipeline stages" if v > 1 else "")
     costs = _check_costs(stage_costs, count, count_text)
-    ratio = _check_positive("backward_ratio", backward_ratio, "backward cost / forward cost, typically 2")
+    ratio = check_positive("backward_ratio", backward_ratio, "backward cost / forward cost, typically 2")
     recompute = _check_remat(remat, count, count_text)
-
     backward_cost = [ratio * c + (c if r else 0.0) for c, r in zip(costs, recompute)]
     if backward_costs is not None:
         backward_cost = _check_costs(backward_costs, count, count_text, "backward_costs", "backward")
-    cells = _simulate(_device_orders(schedule, k_stages, m, v), costs, backward_cost)
+    share = check_positive("weight_fraction", weight_fraction, "the weight gradients' share of a backward, < 1")
+    if share >= 1:
+        raise ParamsError(f"weight_fraction={weight_fraction!r} is invalid: it must be in (0, 1) (the weight "
+                          "gradients' share of a backward, e.g. 0.5)")
+    phase_costs = {FORWARD: costs, BACKWARD: backward_cost}
+    if WEIGHT in order.phases:
+        weight = [share * (b - (c if r and backward_costs is None else 0.0))
+                  for b, c, r in zip(backward_cost, costs, recompute)]
+        phase_costs = {FORWARD: costs, BACKWARD: [b - w for b, w in zip(backward_cost, weight)], WEIGHT: weight}
+    cells = _simulate(order, m, phase_costs)
     cells.sort(key=lambda c: (c.start, c.stage))
     makespan = max(c.end for c in cells)
-    busy = m * sum(costs) + m * sum(backward_cost)
-    bubble = 1.0 - busy / (k_stages * makespan)
-    return Timeline(num_stages=k_stages, num_micro_batches=m, cells=cells, makespan=makespan,
-                    bubble_fraction=bubble, remat=tuple(recompute), schedule=schedule, virtual_stages=v,
-                    idle_fraction=bubble)
-
-
-def _check_timeline(timeline: object, name: str = "timeline") -> Timeline:
-    if not isinstance(timeline, Timeline):
-        raise ParamsError(f"{name}={timeline!r} is invalid: pass the Timeline returned by predict(...) or "
-                          "Timeline.measured(...)")
-    return timeline
-
-
-def _resolve_tick(timeline: Timeline, tick: float | None) -> tuple[float, int]:
-    """(tick, number of columns) for drawing `timeline`; the default tick is the shortest forward or backward
-    cell's duration (transfers, often far shorter, would make the picture needlessly wide)."""
-    if tick is None:
-        durations = [c.duration for c in timeline.cells if c.phase != TRANSFER and c.duration > 0]
-        tick = min(durations or [c.duration for c in timeline.cells if c.duration > 0])
-        tick = max(tick, timeline.makespan / _MAX_COLUMNS)
-    else:
-        tick = _check_positive("tick", tick, "the time one column stands for")
-        if timeline.makespan / tick > _MAX_COLUMNS:
-            raise ParamsError(f"tick={tick!r} would draw {math.ceil(timeline.makespan / tick)} columns (at most "
-                              f"{_MAX_COLUMNS}): use tick >= {timeline.makespan / _MAX_COLUMNS:.6g} or None")
-    # The epsilon keeps a makespan that is a whole number of ticks, up to rounding, from gaining an empty column.
-    return tick, max(1, math.ceil(timeline.makespan / tick - 1e-9))
-
-
-def _drawing_priority(cell: Cell) -> tuple[bool, float]:
-    """Where measured cells overlap, compute shows over a transfer, and the latest-started cell over the rest."""
-    return cell.phase != TRANSFER, cell.start
-
-
-def _grid(timeline: Timeline, tick: float, columns: int, show_hidden: bool = False) -> list[list[Cell | None]]:
-    """grid[row][column]: the cell running at the middle of that column, or None when the row is idle.
-
-    Sampling the midpoint shows every cell at least once when tick <= its duration, since any interval of one
-    tick's length holds exactly one midpoint. Measured cells of a row may overlap, so one may hide another, and a
-    coarse tick (`show_hidden`) skips short cells; a forward or backward left without a column then takes one it
-    overlaps (`_show_hidden_cells`).
-    """
-    rows: list[list[Cell | None]] = []
-    for k in range(timeline.num_stages):
-        row: list[Cell | None] = []
-        stage_cells = timeline.stage_cells(k)
-        pos = 0
-        running: list[Cell] = []
-        for j in range(columns):
-            mid = (j + 0.5) * tick
-            while pos < len(stage_cells) and stage_cells[pos].start <= mid:
-                running.append(stage_cells[pos])
-                pos += 1
-            running = [c for c in running if c.end > mid]
-            row.append(max(running, key=_drawing_priority) if running else None)
-        if timeline.is_measured or show_hidden:
-            _show_hidden_cells(row, stage_cells, tick)
-        rows.append(row)
-    return rows
-
-
-def _show_hidden_cells(row: list[Cell | None], cells: list[Cell], tick: float) -> None:
-    """Gives each forward or backward of `cells` that `row` does not show one column it overlaps, taken from an
-    idle column, a transfer or a cell that `row` shows in other columns too (the one nearest the cell's middle).
-    Where every column it overlaps is taken (two cells far shorter than a tick at one instant), the nearest such
-    column up to _HIDDEN_CELL_REACH columns away."""
-    shown = collections.Counter(id(c) for c in row if c is not None)
-    for cell in cells:
-        if cell.phase == TRANSFER or shown[id(cell)]:
-            continue
-        first = min(len(row) - 1, int(cell.start // tick))
-        last = max(first, min(len(row) - 1, math.ceil(cell.end / tick) - 1))
-        free: list[int] = []
-        for reach in range(_HIDDEN_CELL_REACH + 1):
-            free = [j for j in range(max(0, first - reach), min(len(row), last + reach + 1))
-                    if row[j] is None or row[j].phase == TRANSFER or shown[id(row[j])] > 1]
-            if free:
-                break
-        if free:
-            j = min(free, key=lambda j: abs((j + 0.5) * tick - (cell.start + cell.end) / 2))
-            if row[j] is not None:
-                shown[id(row[j])] -= 1
-            row[j] = cell
-            shown[id(cell)] += 1
-
-
-def _chunk_letters(chunk: int) -> str:
-    """a, b, ..., z, aa, ab, ...: the text label of a chunk."""
-    letters = ""
-    while True:
-        letters = chr(ord("a") + chunk % 26) + letters
-        chunk = chunk // 26 - 1
-        if chunk < 0:
-            return letters
-
-
-def _row_word(timeline: Timeline) -> str:
-    return "device" if timeline.virtual_stages > 1 else "stage"
-
-
-def _text_heading(timeline: Timeline, prefix: str) -> str:
-    t = timeline
-    bubble = f"bubble {t.bubble_fraction:.1%} (bound {t.ideal_bubble_fraction():.1%})"
-    if not t.is_measured:
-        name = "" if t.schedule == FILL_DRAIN else t.schedule_label() + " "
-        return f"{prefix}GPipe schedule {name}K={t.num_stages} M={t.num_micro_batches}: {bubble}"
-    heading = (f"{prefix or 'measured: '}GPipe schedule {t.schedule_label()} K={t.num_stages} M={t.num_micro_batches}: "
-               f"step {t.makespan * 1e3:.4g} ms, {bubble}")
-    if any(c.phase == TRANSFER for c in t.cells):
-        heading += f", idle {t.idle_fraction:.1%} counting transfers as busy"
-    return heading
-
-
-def _render_text(timeline: Timeline, tick: float | None, prefix: str) -> str:
-    timeline = _check_timeline(timeline)
-    tick, columns = _resolve_tick(timeline, tick)
-    v = timeline.virtual_stages
-    suffix_width = len(_chunk_letters(v - 1)) if v > 1 else 0
-    width = len(str(timeline.num_micro_batches - 1)) + suffix_width
-    stage_width = len(str(timeline.num_stages - 1))
-    keys = ["n = forward", "n' = backward"]
-    if v > 1:
-        keys.append(f"letter = chunk (a = 0; chunk c of device d is pipeline stage c*{timeline.num_stages} + d)")
-    if any(c.phase == TRANSFER for c in timeline.cells):
-        keys.append("~ = transfer")
-    keys.append(". = idle")
-    column = f"{tick * 1e3:.3g} ms" if timeline.is_measured else f"{tick:.4g}"
-    lines = [f"{_text_heading(timeline, prefix)}; 1 column = {column}, {', '.join(keys)}"]
-    for k, row in enumerate(_grid(timeline, tick, columns)):
-        text = []
-        for c in row:
-            if c is None:
-                text.append(f"{'.':>{width}} ")
-            elif c.phase == TRANSFER:
-                text.append(f"{'~':>{width}} ")
-            else:
-                label = str(c.micro_batch) + (_chunk_letters(c.chunk) if v > 1 else "")
-                text.append(f"{label:>{width}}" + (" " if c.phase == FORWARD else "'"))
-        lines.append(f"{_row_word(timeline)} {k:>{stage_width}} |{''.join(text)}|")
-    return "\n".join(lines)
-
-
-def render_text(timeline: Timeline, tick: float | None = None) -> str:
-    """Draws `timeline` as text: a header line, then one row per stage ("stage 0 |...|").
-
-    Each column is one tick of time (default: the shortest forward or backward cell's duration, so every such
-    cell shows at least once) and is len(str(M-1)) + 1 characters wide. A forward tick shows the micro-batch
-    number followed by a space ("3 "), a backward tick the number followed by a prime ("3'", as in a derivative),
-    an idle tick a dot (". "). Numbers are right-aligned so that micro-batches >= 10 stay readable ("12'" next
-    to " 3'"). A cell lasting several ticks repeats its label, so widths show durations.
-
-    The header says "GPipe schedule K=.. M=..: bubble ..% (bound ..%)" for fill-drain and names any other
-    schedule after "schedule". Interleaved timelines (v > 1) have one row per device ("device 0 |...|") and a
-    chunk letter after each number ("3b'": backward of micro-batch 3 in chunk 1), columns one character wider.
-    Measured timelines start "measured: ", give the step time and count columns in milliseconds; a transfer
-    tick shows "~".
-
-    Raises:
-      ParamsError: `tick` is not a positive number or would draw more than 4096 columns.
-    """
-    return _render_text(timeline, tick, "")
-
-
-def _check_pair(predicted: object, measured: object) -> tuple[Timeline, Timeline]:
-    predicted = _check_timeline(predicted, "predicted")
-    measured = _check_timeline(measured, "measured")
-    if predicted.is_measured:
-        raise ParamsError("predicted is a measured timeline: pass predict(...)'s timeline first, "
-                          "Timeline.measured(...)'s second")
-    if not measured.is_measured:
-        raise ParamsError("measured is a predicted timeline: pass Timeline.measured(...)'s timeline second")
-    return predicted, measured
-
-
-def render_comparison_text(predicted: Timeline, measured: Timeline) -> str:
-    """`render_text` of a predicted and a measured timeline, one above the other, headed "predicted: " and
-    "measured: ", each at its own default tick."""
-    predicted, measured = _check_pair(predicted, measured)
-    return _render_text(predicted, None, "predicted: ") + "\n\n" + _render_text(measured, None, "measured: ")
-
-
-def cell_color(phase: str, micro_batch: int | None, chunk: int = 0, virtual_stages: int = 1) -> tuple[int, int, int]:
-    """The fill color of a cell: blue forward, orange backward in two shades alternating with the micro-batch's
-    parity; chunk c of v darker by 0.45 * c / (v-1) (chunk 0 keeps the plain shades); a transfer green."""
-    if phase == TRANSFER:
-        return TRANSFER_COLOR
-    base = (FORWARD_COLORS if phase == FORWARD else BACKWARD_COLORS)[(micro_batch or 0) % 2]
-    if virtual_stages <= 1 or chunk == 0:
-        return base
-    keep = 1.0 - _CHUNK_DARKENING * chunk / (virtual_stages - 1)
-    return tuple(round(x * keep) for x in base)
-
-
-def _ink_for(color: tuple[int, int, int]) -> tuple[int, int, int]:
-    luminance = 0.299 * color[0] + 0.587 * color[1] + 0.114 * color[2]
-    return LIGHT_TEXT_COLOR if luminance < _DARK_LUMINANCE else TEXT_COLOR
-
-
-def _text_size(text: str, scale: int) -> tuple[int, int]:
-    """(height, width) in pixels of `text` in the 3x5 font at `scale`, one scaled pixel between glyphs."""
-    return 5 * scale, (4 * len(text) - 1) * scale
-
-
-def _draw_text(image: np.ndarray, text: str, top: int, left: int, height: int, width: int, max_scale: int,
-               color: tuple[int, int, int]) -> None:
-    """Draws `text` centered in the box, at the largest scale <= max_scale that leaves a 2-pixel margin."""
-    for scale in range(max_scale, 0, -1):
-        text_h, text_w = _text_size(text, scale)
-        if text_h <= height - 4 and text_w <= width - 4:
-            break
-    else:
-        return  # too small to hold even a 1x glyph: a bare color block beats an unreadable smudge
-    y = top + (height - text_h) // 2
-    x = left + (width - text_w) // 2
-    for ch in text:
-        mask = np.kron(_GLYPH_MASKS[ch], np.ones((scale, scale), dtype=bool))
-        image[y:y + text_h, x:x + 3 * scale][mask] = color
-        x += 4 * scale
-
-
-def _check_cell_px(cell_px: object) -> int:
-    if isinstance(cell_px, bool) or not isinstance(cell_px, numbers.Integral) or not 8 <= cell_px <= 256:
-        raise ParamsError(f"cell_px={cell_px!r} is invalid: it must be an int in [8, 256] (pixels per tick and "
-                          "per stage row), or None to scale the grid to about 1200 pixels wide")
-    return int(cell_px)
-
-
-def _auto_cell_px(num_stages: int, columns: int) -> int:
-    """Pixels per tick and stage row: the grid about _TARGET_WIDTH wide, cells 16..48 pixels (at least 8 for a
-    huge grid, which is also kept under _AUTO_MAX_PIXELS)."""
-    cell_px = min(48, max(16, _TARGET_WIDTH // columns))
-    while cell_px > 8 and columns * num_stages * cell_px * cell_px > _AUTO_MAX_PIXELS:
-        cell_px -= 1
-    return cell_px
-
-
-def _grid_picture(timeline: Timeline, cell_px: int, rows: list[list[Cell | None]]) -> np.ndarray:
-    """The cells of `rows` (a `_grid`, or some of its columns) alone as a uint8
-    [K * cell_px + 1, columns * cell_px + 1, 3] array, grid lines included."""
-    # About 60% of the row height for digits: readable, with room left for the grid and margins.
-    max_scale = max(1, (cell_px * 3 // 5) // 5)
-    columns = len(rows[0])
-    height = timeline.num_stages * cell_px + 1
-    width = columns * cell_px + 1
-    image = np.empty((height, width, 3), dtype=np.uint8)
-    image[:] = IDLE_COLOR
-    image[::cell_px, :] = GRID_COLOR
-    image[:, ::cell_px] = GRID_COLOR
-    for k, row in enumerate(rows):
-        top = k * cell_px
-        j = 0
-        while j < columns:
-            c = row[j]
-            end = j + 1
-            while end < columns and row[end] is c:
-                end += 1
-            if c is not None:
-                left, right = j * cell_px, end * cell_px
-                color = cell_color(c.phase, c.micro_batch, c.chunk, timeline.virtual_stages)
-                # Filling inside the grid lines erases the tick lines within a multi-tick cell: one block each.
-                image[top + 1:top + cell_px, left + 1:right] = color
-                if c.phase != TRANSFER:
-                    _draw_text(image, str(c.micro_batch), top, left, cell_px + 1, right - left + 1, max_scale,
-                               _ink_for(color))
-            j = end
-    return image
-
-
-@dataclasses.dataclass(frozen=True)
-class PictureLayout:
-    """Where render_png puts things: the grid's top-left pixel, its cell size and column count, the image size;
-    for a grid wrapped into bands, their number, the columns each holds (the last may hold fewer) and the pixels
-    from one band's top to the next; and the time one column stands for."""
-
-    cell_px: int
-    columns: int
-    grid_top: int
-    grid_left: int
-    height: int
-    width: int
-    bands: int = 1
-    band_columns: int = 0
-    band_step: int = 0
-    tick: float = 0.0
-
-
-def _font(size: int):
-    from PIL import ImageFont
-
-    try:
-        return ImageFont.load_default(size=size)  # Pillow's built-in scalable font (needs FreeType)
-    except (TypeError, ValueError, OSError, ImportError):
-        return ImageFont.load_default()  # a fixed bitmap font: smaller, still legible
-
-
-def _summary(timeline: Timeline, schedule: str | None) -> str:
-    t = timeline
-    name = t.schedule_label() if schedule is None else schedule
-    if t.schedule == INTERLEAVED and "v=" not in name:
-        name += f" v={t.virtual_stages}"
-    rows = "stages" if t.virtual_stages == 1 else f"devices x {t.virtual_stages} chunks"
-    text = f"{name}: K={t.num_stages} {rows}, M={t.num_micro_batches} micro-batches, "
-    if t.is_measured:
-        text += f"step {t.makespan * 1e3:.4g} ms, "
-    text += f"bubble {t.bubble_fraction:.1%} (bound {t.ideal_bubble_fraction():.1%})"
-    if t.is_measured and any(c.phase == TRANSFER for c in t.cells):
-        text += f", idle {t.idle_fraction:.1%} counting transfers as busy"
-    return text
-
-
-def title(timeline: Timeline, schedule: str | None = None) -> str:
-    """The picture's title: schedule, K, M and the bubble fraction against the schedule's bound.
-
-    `schedule` names the schedule in place of the timeline's own name (e.g. the class that runs it, "FillDrain");
-    v is added for the interleaved schedule. A measured timeline's title starts "measured: " and gives the step
-    time in milliseconds.
-    """
-    timeline = _check_timeline(timeline)
-    return ("measured: " if timeline.is_measured else "") + f"GPipe schedule {_summary(timeline, schedule)}"
-
-
-def _legend(timelines: list[Timeline]) -> list[tuple[list[tuple[int, int, int]], str]]:
-    """(swatch colors, text) per legend entry, covering what any of `timelines` shows."""
-    v = max(t.virtual_stages for t in timelines)
-    forward = "forward of micro-batch n"
-    if v > 1:
-        forward += f", chunks 0..{v - 1} light to dark"
-    backward = "backward of n" + (" (recomputes its forward)" if any(any(t.remat or ()) for t in timelines) else "")
-    entries = [([cell_color(FORWARD, 0, c, v) for c in range(v)], forward),
-               ([cell_color(BACKWARD, 0, c, v) for c in range(v)], backward)]
-    if any(c.phase == TRANSFER for t in timelines for c in t.cells):
-        entries.append(([TRANSFER_COLOR], "transfer"))
-    entries.append(([IDLE_COLOR], "idle (the bubble)"))
-    return entries
-
-
-def _nice_step(minimum: float) -> float:
-    """The smallest 1, 2 or 5 times a power of ten that is >= minimum (> 0)."""
-    power = 10.0 ** math.floor(math.log10(minimum))
-    for multiple in (1, 2, 5, 10):
-        if multiple * power >= minimum * (1 - 1e-9):
-            return multiple * power
-    return 10 * power
-
-
-def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[np.ndarray, list[PictureLayout]]:
-    """The picture of one or more timelines, one above the other (each: title, row axis, grid, time axis), with
-    one legend at the bottom; and where each grid lies. See render_png."""
-    from PIL import Image, ImageDraw
-
-    if cell_px is not None:
-        cell_px = _check_cell_px(cell_px)
-    title_font, label_font = _font(_TITLE_PX), _font(_LABEL_PX)
-    scratch = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-
-    def size(text: str, font) -> tuple[int, int]:
-        box = scratch.textbbox((0, 0), text, font=font)
-        return box[2] - box[0], box[3]
-
-    axis_w = max(max(size(_row_word(t), label_font)[0], max(size(str(k), label_font)[0] for k in range(t.num_stages)))
-                 for t, _ in panels) + 2 * _PAD
-    grids = []
-    for timeline, _ in panels:
-        tick, columns = _resolve_tick(timeline, None)
-        # Measured pictures (and an explicit cell_px) keep one band: their millisecond axis runs under it.
-        wrap = cell_px is None and not timeline.is_measured
-        if wrap and columns > _MAX_WRAPPED_COLUMNS:
-            tick = timeline.makespan / _MAX_WRAPPED_COLUMNS
-            columns = max(1, math.ceil(timeline.makespan / tick - 1e-9))
-        px = _auto_cell_px(timeline.num_stages, columns) if cell_px is None else cell_px
-        band_h = timeline.num_stages * px + 1
-        bands = math.ceil(columns * px / max(px, _MAX_PICTURE_WIDTH - axis_w - _PAD - 1)) if wrap else 1
-        band_columns = math.ceil(columns / bands)
-        grid_h, grid_w = bands * band_h + (bands - 1) * _PAD, band_columns * px + 1
-        if grid_h * grid_w > _MAX_PIXELS:
-            raise ParamsError(f"cell_px={px} would draw a {grid_w}x{grid_h} grid (more than {_MAX_PIXELS} "
-                              "pixels): use a smaller cell_px")
-        grids.append((tick, columns, px, grid_h, grid_w, bands, band_columns))
-    legend = _legend([t for t, _ in panels])
-    swatch = _LABEL_PX
-    legend_w = sum(len(colors) * swatch + _PAD + size(text, label_font)[0] + 3 * _PAD for colors, text in legend)
-    label_h = size("stage 0", label_font)[1]
-    grid_left = axis_w
-    # Rows of each panel: title, row-axis heading, grid, millisecond labels (measured only), time axis.
-    tops, y, width = [], 0, _PAD + legend_w
-    for (timeline, heading), (tick, columns, px, grid_h, grid_w, _, _) in zip(panels, grids):
-        grid_top = y + _PAD + size(heading, title_font)[1] + _PAD + label_h + _PAD // 2
-        time_top = grid_top + grid_h + _PAD // 2
-        if timeline.is_measured:
-            time_top += label_h + _PAD // 2
-        tops.append((y, grid_top, time_top))
-        y = time_top + label_h + _PAD
-        width = max(width, grid_left + grid_w + _PAD, _PAD + size(heading, title_font)[0] + _PAD)
-    legend_top = y
-    height = legend_top + swatch + _PAD
-
-    canvas = Image.new("RGB", (width, height), IDLE_COLOR)
-    draw = ImageDraw.Draw(canvas)
-    layouts = []
-    for (timeline, heading), grid, (top, grid_top, time_top) in zip(panels, grids, tops):
-        tick, columns, px, grid_h, grid_w, bands, band_columns = grid
-        rows = _grid(timeline, tick, columns, show_hidden=True)
-        band_step = timeline.num_stages * px + 1 + _PAD
-        for b in range(bands):
-            band_top = grid_top + b * band_step
-            part = [row[b * band_columns:(b + 1) * band_columns] for row in rows]
-            canvas.paste(Image.fromarray(_grid_picture(timeline, px, part)), (grid_left, band_top))
-            for k in range(timeline.num_stages):
-                w, h = size(str(k), label_font)
-                draw.text((grid_left - _PAD - w, band_top + k * px + (px - h) // 2), str(k), fill=TEXT_COLOR,
-                          font=label_font)
-        draw.text((_PAD, top + _PAD), heading, fill=TEXT_COLOR, font=title_font)
-        draw.text((_PAD, grid_top - label_h - _PAD // 2), _row_word(timeline), fill=TEXT_COLOR, font=label_font)
-        if timeline.is_measured:
-            _draw_milliseconds(draw, size, label_font, timeline, tick, columns, px, grid_left, grid_top + grid_h,
-                               width)
-            axis = f"time (ms) ->   (1 column = {tick * 1e3:.3g} ms)"
-        else:
-            axis = f"time ->   (1 column = {tick:.3g} forward-cost units)"
-        draw.text((grid_left, time_top), axis, fill=TEXT_COLOR, font=label_font)
-        layouts.append(PictureLayout(cell_px=px, columns=columns, grid_top=grid_top, grid_left=grid_left,
-                                     height=height, width=width, bands=bands, band_columns=band_columns,
-                                     band_step=band_step, tick=tick))
-    x = _PAD
-    for colors, text in legend:
-        for j, color in enumerate(colors):
-            draw.rectangle([x + j * swatch, legend_top, x + (j + 1) * swatch, legend_top + swatch], fill=color,
-                           outline=GRID_COLOR)
-        x += len(colors) * swatch
-        draw.text((x + _PAD, legend_top), text, fill=TEXT_COLOR, font=label_font)
-        x += _PAD + size(text, label_font)[0] + 3 * _PAD
-    return np.asarray(canvas, dtype=np.uint8), layouts
-
-
-def _draw_milliseconds(draw, size, font, timeline: Timeline, tick: float, columns: int, cell_px: int,
-                       grid_left: int, grid_bottom: int, width: int) -> None:
-    """Tick marks and millisecond labels under a measured grid, at round times at least 80 pixels apart."""
-    px_per_ms = cell_px / (tick * 1e3)
-    step = _nice_step(_MIN_TICK_LABEL_PX / px_per_ms)
-    n = 0
-    while n * step <= columns * tick * 1e3 + 1e-9:
-        x = grid_left + round(n * step * px_per_ms)
-        text = f"{round(n * step, 9):g}"
-        w, _ = size(text, font)
-        if x + w // 2 + 1 < width:
-            draw.line([x, grid_bottom, x, grid_bottom + _PAD // 2 - 1], fill=TEXT_COLOR)
-            draw.text((x - w // 2, grid_bottom + _PAD // 2), text, fill=TEXT_COLOR, font=font)
-        n += 1
-
-
-def picture_layout(timeline: Timeline, cell_px: int | None = None, schedule: str | None = None) -> PictureLayout:
-    """Where render_png(timeline, cell_px, schedule) draws the grid, and the picture's size."""
-    return _compose([(_check_timeline(timeline), title(timeline, schedule))], cell_px)[1][0]
-
-
-def render_png(timeline: Timeline, cell_px: int | None = None, schedule: str | None = None) -> bytes:
-    """Draws `timeline` as a PNG and returns its bytes.
-
-    On top, a title with the schedule's name (`schedule`, default the timeline's), K, M and the bubble fraction
-    next to the schedule's bound. Below it the grid: rows are stages (devices when interleaved; labelled on the
-    left under a "stage" or "device" heading), columns time ticks of the shortest forward or backward cell's
-    duration, each cell_px pixels (None: chosen so that the grid is about 1200 pixels wide, 16 to 48 pixels a
-    cell); a time arrow under the grid and a legend at the bottom. Forward cells are blue, backward orange, in
-    two shades alternating with the micro-batch parity, darker for later interleaved chunks (`cell_color`);
-    transfers green; idle ticks white, grid lines light gray. Each compute cell is one block with its
-    micro-batch number drawn in a 3x5 bitmap font scaled to fit; the other text uses Pillow's built-in font.
-    A measured timeline has millisecond labels under its grid. `picture_layout` says where the grid is.
-
-    Raises:
-      ParamsError: `cell_px` is not None or an int in [8, 256], or the picture would be too large.
-    """
-    import tensorflow as tf  # deferred: see the TYPE_CHECKING import above
-
-    return tf.io.encode_png(_compose([(_check_timeline(timeline), title(timeline, schedule))], cell_px)[0]).numpy()
-
-
-def image_tensor(timeline: Timeline, cell_px: int | None = None, schedule: str | None = None) -> tf.Tensor:
-    """The render_png picture as a [1, H, W, 3] uint8 tensor, ready for `tf.summary.image`."""
-    import tensorflow as tf  # deferred: see the TYPE_CHECKING import above
-
-    picture = _compose([(_check_timeline(timeline), title(timeline, schedule))], cell_px)[0]
-    return tf.convert_to_tensor(picture[np.newaxis])
-
-
-def _comparison_panels(predicted: Timeline, measured: Timeline, schedule: str | None) -> list[tuple[Timeline, str]]:
-    predicted, measured = _check_pair(predicted, measured)
-    return [(predicted, f"predicted: {_summary(predicted, schedule)}"),
-            (measured, f"measured: {_summary(measured, schedule)}")]
-
-
-def comparison_layout(predicted: Timeline, measured: Timeline, cell_px: int | None = None,
-                      schedule: str | None = None) -> tuple[PictureLayout, PictureLayout]:
-    """Where render_comparison_png draws the predicted grid and the measured grid, and the picture's size."""
-    first, second = _compose(_comparison_panels(predicted, measured, schedule), cell_px)[1]
-    return first, second
-
-
-def render_comparison_png(predicted: Timeline, measured: Timeline, cell_px: int | None = None,
-                          schedule: str | None = None) -> bytes:
-    """A PNG of a predicted timeline above a measured one, each with its own title ("predicted: ... bubble x%
-    (bound y%)", "measured: ... step t ms, bubble x% (bound y%)"), row axis and time axis (forward-cost units
-    above, milliseconds below), and one legend at the bottom; otherwise drawn as render_png draws each.
-
-    Raises:
-      ParamsError: the first is not a predicted timeline or the second not a measured one, or as render_png.
-    """
-    import tensorflow as tf  # deferred: see the TYPE_CHECKING import above
-
-    return tf.io.encode_png(_compose(_comparison_panels(predicted, measured, schedule), cell_px)[0]).numpy()
-
-
-def comparison_image_tensor(predicted: Timeline, measured: Timeline, cell_px: int | None = None,
-                            schedule: str | None = None) -> tf.Tensor:
-    """The render_comparison_png picture as a [1, H, W, 3] uint8 tensor, ready for `tf.summary.image`."""
-    import tensorflow as tf  # deferred: see the TYPE_CHECKING import above
-
-    picture = _compose(_comparison_panels(predicted, measured, schedule), cell_px)[0]
-    return tf.convert_to_tensor(picture[np.newaxis])
+    bubble = 1.0 - m * (sum(costs) + sum(backward_cost)) / (k * makespan)
+    return Timeline(order=order, num_micro_batches=m, cells=cells, makespan=makespan, bubble_fraction=bubble,
+                    remat=tuple(recompute), idle_fraction=bubble)

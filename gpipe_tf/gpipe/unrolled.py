@@ -23,14 +23,15 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import microbatch, placement
+from gpipe_tf.gpipe import microbatch, orders, placement
 from gpipe_tf.gpipe.leaves import float_leaves, is_float, with_float_leaves
+from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.remat import StageForward
 from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule
 
 
-class Unrolled(Schedule):
+class Unrolled(Schedule, short_name="unrolled"):
     """GPipe's fill-drain order with every (stage, micro-batch) step its own op group; the graph grows with M.
 
     State: one gradient sum per weight, stage and replica, a variable on the stage's device, allocated once.
@@ -39,6 +40,11 @@ class Unrolled(Schedule):
     def __init__(self, params: Any, path: str = "") -> None:
         super().__init__(params, path)
         self.gradient_sums: list[list[list[tf.Variable]]] = []  # [replica][stage][weight]
+
+    def step_order(self, num_devices: int) -> ScheduleOrder:
+        """GPipe's order, as `FillDrain`'s: every forward, then the backwards from the last micro-batch to the
+        first."""
+        return orders.fill_drain(num_devices)
 
     def allocate(self, plan: StagePlan, stage_variables: Sequence[Sequence[tf.Variable]]) -> None:
         """One gradient sum per weight next to it, for every replica's devices."""

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 
 _ACTIVATIONS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
     "none": tf.identity,
@@ -20,6 +20,13 @@ _ACTIVATIONS: dict[str, Callable[[tf.Tensor], tf.Tensor]] = {
     "swish": tf.nn.silu,
     "softplus": tf.nn.softplus,
 }
+
+# Tensors of the activation's size that applying it keeps for the backward pass, its output included: ReLU, tanh
+# and sigmoid gradients read their output; relu6, swish and softplus read their input too; exact GELU,
+# 0.5 x (1 + erf(x / sqrt 2)), keeps x, x / sqrt 2, 1 + erf, 0.5 x and the product; the tanh form two more.
+KEPT_COPIES: dict[str, int] = {"none": 0, "relu": 1, "relu6": 2, "gelu": 5, "gelu_tanh": 7, "tanh": 1,
+                               "sigmoid": 1, "swish": 2, "softplus": 2}
+READS_INPUT = frozenset({"relu6", "gelu", "gelu_tanh", "swish", "softplus"})
 
 
 def activation_fn(name: str) -> Callable[[tf.Tensor], tf.Tensor]:
@@ -62,3 +69,8 @@ class Activation(BaseLayer):
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
         """Unchanged shape and dtype."""
         return input_spec
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """`KEPT_COPIES[activation]` tensors of the input's size (the input itself is its producer's)."""
+        return (KEPT_COPIES[p.activation] - (p.activation in READS_INPUT)) * elements_bytes(input_spec)

@@ -192,6 +192,24 @@ class MultiHeadAttention(BaseLayer):
         attention = 2.0 * 2.0 * batch * tq * tk * inner
         return projections + attention
 
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """The scaled q, k and v (the einsums' gradients read their operands), the softmax output [B, H, Tq, Tk]
+        (its gradient reads it; in float32 for half inputs, plus the cast copy), the attention dropout's, the
+        context and the output projection's output."""
+        query, memory, _ = _unpack_attention_inputs(input_spec)
+        batch, tq = _static_dim(query, 0, "batch size"), _static_dim(query, 1, "query length")
+        tk = _static_dim(memory, 1, "memory length")
+        inner = p.num_heads * cls.resolved_head_dim(p)
+        size = tf.as_dtype(query.dtype).size
+        wide = sensitive_dtype(query.dtype).size
+        probs_elems = batch * p.num_heads * tq * tk
+        probs = probs_elems * wide + (probs_elems * size if wide != size else 0)
+        dropout = Dropout.activation_bytes(cls._child_params(p)["atten_dropout"],
+                                           tf.TensorSpec([batch, p.num_heads, tq, tk], query.dtype))
+        q_k_v = (tq + 2 * tk) * batch * inner * size  # the scaled q, k, v (scaling by a constant keeps nothing)
+        return q_k_v + probs + dropout + batch * tq * inner * size + batch * tq * p.model_dim * size
+
 
 class FeedForward(BaseLayer):
     """The position-wise feed-forward block: y = W2(dropout(activation(W1 x + b1))) + b2 over the last dim."""
@@ -249,3 +267,12 @@ class FeedForward(BaseLayer):
         hidden_spec = Linear.output_spec(children["fc1"], input_spec)
         return (Linear.flops(children["fc1"], input_spec) + Dropout.flops(children["dropout"], hidden_spec)
                 + Linear.flops(children["fc2"], hidden_spec))
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Sum of the children: the hidden activations, the hidden dropout's and the output."""
+        children = cls._child_params(p)
+        hidden_spec = Linear.output_spec(children["fc1"], input_spec)
+        return (Linear.activation_bytes(children["fc1"], input_spec)
+                + Dropout.activation_bytes(children["dropout"], hidden_spec)
+                + Linear.activation_bytes(children["fc2"], hidden_spec))

@@ -248,6 +248,18 @@ class BaseLayer(tf.Module):
         """Estimated forward flops for one call on `input_spec`, from Params alone."""
         raise NotImplementedError(f"{cls.__name__}.flops is not implemented")
 
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Bytes one training forward call on `input_spec` keeps alive for its backward pass, from Params alone.
+
+        Counts the tensors the call creates that TensorFlow's gradient reads, its output included (the next
+        layer's gradient reads it), at the dtypes of the specs (the compute dtype); not the input's own tensors
+        (whoever made them counts them). A layer that cannot say raises NotImplementedError naming itself and
+        what is missing; `memory/` turns that into the planner's error.
+        """
+        raise NotImplementedError(f"{cls.__name__}.activation_bytes is not implemented (the layer cannot say "
+                                  "which tensors its backward pass keeps)")
+
 
 def sensitive_dtype(dtype: tf.DType) -> tf.DType:
     """The dtype for numerically sensitive work (softmax, norm statistics, losses): float32 for half precision."""
@@ -265,3 +277,17 @@ def num_elements(spec: tf.TensorSpec) -> int:
     if not spec.shape.is_fully_defined():
         raise ParamsError(f"cost estimates need a fully defined input shape, got {spec.shape}")
     return int(spec.shape.num_elements())
+
+
+def spec_bytes(spec: Any) -> int:
+    """Bytes of every tensor in a (nested) TensorSpec structure; None leaves count 0 (e.g. an absent mask)."""
+    total = 0
+    for leaf in tf.nest.flatten(spec):
+        if leaf is not None:
+            total += num_elements(leaf) * tf.as_dtype(leaf.dtype).size
+    return total
+
+
+def elements_bytes(spec: tf.TensorSpec, dtype: Any = None) -> int:
+    """Bytes of a tensor of `spec`'s shape in `dtype` (default: the spec's dtype)."""
+    return num_elements(spec) * tf.as_dtype(dtype or spec.dtype).size

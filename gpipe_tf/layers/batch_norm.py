@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements, sensitive_dtype
 
 
 class BatchNorm(BaseLayer):
@@ -99,3 +99,12 @@ class BatchNorm(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """Moments and normalization: about 8 ops per element."""
         return 8.0 * num_elements(input_spec)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The output (x * inv reads x, the input; the shift add reads nothing; the statistics are per channel);
+        a half-precision input also keeps its float32 copy."""
+        wide = sensitive_dtype(input_spec.dtype)
+        if wide == tf.as_dtype(input_spec.dtype):
+            return elements_bytes(input_spec)
+        return 2 * elements_bytes(input_spec, wide) + elements_bytes(input_spec)

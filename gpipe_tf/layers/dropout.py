@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements, sensitive_dtype
 
 
 class Dropout(BaseLayer):
@@ -55,6 +55,12 @@ class Dropout(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """Random draw, compare and scale per element."""
         return 3.0 * num_elements(input_spec)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """In training with rate > 0: the keep mask (the multiply's gradient reads it) and the output (a divide by a
+        constant keeps nothing of its input); with rate 0 the input passes through and nothing is kept."""
+        return 0 if p.rate == 0.0 else 2 * elements_bytes(input_spec)
 
     @classmethod
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, fprop_dtype_of, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, fprop_dtype_of, num_elements
 
 
 class Embedding(BaseLayer):
@@ -59,3 +59,9 @@ class Embedding(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """A gather: one copy per output element."""
         return float(num_elements(input_spec) * p.embedding_dim)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The output only: the gather's gradient reads the ids, a cast's and a multiply by a constant's nothing of
+        their input."""
+        return elements_bytes(cls.output_spec(p, input_spec))

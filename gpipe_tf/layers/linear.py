@@ -8,8 +8,8 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.activations import activation_fn
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.activations import KEPT_COPIES, activation_fn
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 
 
 class Linear(BaseLayer):
@@ -59,3 +59,9 @@ class Linear(BaseLayer):
         """2 * rows * input_dim * output_dim (multiply-adds of the matmul)."""
         rows = num_elements(input_spec) // p.input_dim
         return 2.0 * rows * p.input_dim * p.output_dim
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The output, and what the activation keeps besides it (the matmul's gradient reads the input and the
+        weights, the bias add's nothing): one output-sized tensor for 'none', relu or tanh."""
+        return max(KEPT_COPIES[p.activation], 1) * elements_bytes(cls.output_spec(p, input_spec))

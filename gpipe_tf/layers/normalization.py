@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements, sensitive_dtype
 
 
 class LayerNorm(BaseLayer):
@@ -58,3 +58,13 @@ class LayerNorm(BaseLayer):
     def output_spec(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> tf.TensorSpec:
         """Unchanged shape and dtype."""
         return input_spec
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """One normalized intermediate (x - mean times the inverse deviation, which the scale's gradient reads) and the
+        output: measured in graph mode, where TensorFlow's arithmetic rewrites keep one intermediate where the
+        written ops would keep two. A half-precision input also keeps its float32 copy and the float32 output."""
+        wide = elements_bytes(input_spec, sensitive_dtype(input_spec.dtype))
+        if sensitive_dtype(input_spec.dtype) == tf.as_dtype(input_spec.dtype):
+            return 2 * wide
+        return 3 * wide + elements_bytes(input_spec)

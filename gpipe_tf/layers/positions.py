@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, fprop_dtype_of, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, fprop_dtype_of, num_elements
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.embedding import Embedding
 
@@ -135,3 +135,11 @@ class TokenEmbeddingWithPositions(BaseLayer):
         scale = n if p.scale_sqrt_depth else 0
         return (Embedding.flops(children["token_emb"], input_spec) + scale + n
                 + Dropout.flops(children["dropout"], out_spec))
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The sum of the embeddings and the position encodings (an add's gradient reads neither operand, so the
+        embedding's output goes), and the dropout's."""
+        children = cls._child_params(p)
+        out_spec = cls.output_spec(p, input_spec)
+        return elements_bytes(out_spec) + Dropout.activation_bytes(children["dropout"], out_spec)

@@ -131,6 +131,13 @@ class SourceEmbedding(BaseLayer):
         ep = _embedding_params(p)
         return ep.cls.flops(ep, src) + (ep.cls.flops(ep, tgt) if p.embed_target else 0.0)
 
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """The embedding's on the source ids, plus on the target ids with embed_target."""
+        src, _, tgt, _ = _four(input_spec, cls.__name__)
+        ep = _embedding_params(p).set(dtype=p.dtype, fprop_dtype=p.fprop_dtype)
+        return ep.cls.activation_bytes(ep, src) + (ep.cls.activation_bytes(ep, tgt) if p.embed_target else 0)
+
 
 class EncoderBlock(BaseLayer):
     """A TransformerEncoderLayer on the 4-tuple: x is updated under the source mask, the rest passes through."""
@@ -168,6 +175,12 @@ class EncoderBlock(BaseLayer):
         """The wrapped layer's flops on (x, src_paddings)."""
         x, src_pad, _, _ = _four(input_spec, cls.__name__)
         return p.layer.cls.flops(p.layer, (x, src_pad))
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """The wrapped layer's on (x, src_paddings)."""
+        x, src_pad, _, _ = _four(input_spec, cls.__name__)
+        return p.layer.cls.activation_bytes(p.layer, (x, src_pad))
 
 
 class EncoderToDecoder(BaseLayer):
@@ -250,6 +263,18 @@ class EncoderToDecoder(BaseLayer):
             flops += emb.cls.flops(emb, tgt)
         return flops
 
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Layer norm on x (the memory), plus the target embedding with embed_target."""
+        x, _, tgt, _ = _four(input_spec, cls.__name__)
+        children = cls._child_params(p)
+        ln = children["encoder_ln"]
+        total = ln.cls.activation_bytes(ln, x)
+        if p.embed_target:
+            emb = children["tgt_emb"].set(dtype=p.dtype, fprop_dtype=p.fprop_dtype)
+            total += emb.cls.activation_bytes(emb, tgt)
+        return total
+
 
 class FinalNorm(BaseLayer):
     """(x, tgt_paddings, memory, src_paddings) -> LayerNorm(x) [B, T, model_dim]: the decoder stack's final norm."""
@@ -295,3 +320,9 @@ class FinalNorm(BaseLayer):
         """The layer norm on x."""
         lp = cls._ln_params(p)
         return lp.cls.flops(lp, split_decoder_inputs(input_spec)[0])
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """The layer norm's on x."""
+        lp = cls._ln_params(p)
+        return lp.cls.activation_bytes(lp, split_decoder_inputs(input_spec)[0])

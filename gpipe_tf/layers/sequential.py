@@ -51,3 +51,12 @@ class Sequential(BaseLayer):
             total += lp.cls.flops(lp, input_spec)
             input_spec = lp.cls.output_spec(lp, input_spec)
         return total
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Sum over the layers, propagating shapes."""
+        total = 0
+        for lp in p.layers:
+            total += lp.cls.activation_bytes(lp, input_spec)
+            input_spec = lp.cls.output_spec(lp, input_spec)
+        return total

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements, sensitive_dtype
 
 
 def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) -> tf.Tensor:
@@ -81,3 +81,8 @@ class SoftmaxCrossEntropy(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """The logits matmul."""
         return 2.0 * (num_elements(input_spec) // p.input_dim) * p.input_dim * p.num_classes
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The logits in the variables' dtype (the loss's softmax, outside this layer, keeps its own copy)."""
+        return elements_bytes(cls.output_spec(p, input_spec))

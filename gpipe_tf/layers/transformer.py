@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.attention import FeedForward, MultiHeadAttention, causal_bias, padding_bias
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.normalization import LayerNorm
 
@@ -35,6 +35,17 @@ def residual_block(layer: BaseLayer, theta: Mapping[str, Any], x: tf.Tensor, blo
         return x + dropout.fprop(theta[dropout_name], out, ctx)
     out = block_fn(x)
     return ln.fprop(theta[ln_name], x + dropout.fprop(theta[dropout_name], out, ctx), ctx)
+
+
+def block_activation_bytes(children: dict[str, InstantiableParams], input_spec: Any) -> int:
+    """Activation bytes of an encoder layer: its children's on x's spec (self-attention) and the attention bias
+    when paddings come along."""
+    x_spec, paddings = _split_inputs(input_spec)
+    total = sum(cp.cls.activation_bytes(cp, x_spec) for cp in children.values())
+    bias = 0 if paddings is None else elements_bytes(paddings, "float32")
+    # Each block's output goes into its residual add, whose gradient reads neither operand, so it is not kept; the
+    # sum, of the same size, is (the next layer norm reads it): the children's count stands for both.
+    return total + bias
 
 
 def define_block_params(p: InstantiableParams) -> InstantiableParams:
@@ -134,3 +145,8 @@ class TransformerEncoderLayer(BaseLayer):
         """Sum of the children's flops on x's spec (`input_spec` is x's spec or the (x, paddings) specs)."""
         x_spec, _ = _split_inputs(input_spec)
         return sum(cp.cls.flops(cp, x_spec) for cp in cls._child_params(p).values())
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Sum of the children on x's spec (and, with paddings, the attention bias)."""
+        return block_activation_bytes(cls._child_params(p), input_spec)

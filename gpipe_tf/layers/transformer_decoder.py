@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.attention import FeedForward, MultiHeadAttention, causal_bias, large_negative_number, padding_bias
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.normalization import LayerNorm
 from gpipe_tf.layers.transformer import define_block_params, residual_block
@@ -223,3 +223,14 @@ class TransformerDecoderLayer(BaseLayer):
         for name, cp in cls._child_params(p).items():
             total += cp.cls.flops(cp, (x_spec, memory_spec, None) if name == "cross_atten" else x_spec)
         return total
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Sum of the children (cross-attention on (x, memory); each residual sum stands in for the block output it
+        replaces, see `transformer.block_activation_bytes`) and the attention biases."""
+        x_spec, tgt_paddings, memory_spec, src_paddings = split_decoder_inputs(input_spec)
+        total = 0
+        for name, cp in cls._child_params(p).items():
+            total += cp.cls.activation_bytes(cp, (x_spec, memory_spec, None) if name == "cross_atten" else x_spec)
+        biases = sum(elements_bytes(s, "float32") for s in (tgt_paddings, src_paddings) if s is not None)
+        return total + biases

@@ -15,6 +15,7 @@ from typing import Callable
 
 import tensorflow as tf
 from google.protobuf import text_format
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.training.logdir import CHECKPOINT_DIR
@@ -207,6 +208,30 @@ def _short(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
 
 
+_TASK_PREFIX = "task/"
+_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+def source_variables(path: str) -> dict[str, tuple[str, list[int]]]:
+    """The task variables of a trainer checkpoint: {variable name: (checkpoint key, shape)}."""
+    reader = tf.train.load_checkpoint(path)
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
+    shapes = reader.get_variable_to_shape_map()
+    out = {}
+    for node in graph.nodes:
+        for attribute in node.attributes:
+            key = attribute.checkpoint_key
+            if key.startswith(_TASK_PREFIX) and key in shapes and attribute.full_name:
+                out[attribute.full_name] = (key, list(shapes[key]))
+    return out
+
+
+def variable_name(variable: tf.Variable) -> str:
+    """A variable's name without the `:0` suffix, the name rules match."""
+    return variable.name.rsplit(":", 1)[0]
+
+
 def model_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
     """How the model variables of checkpoint `path` differ from those of `checkpoint.task` (None: the same names
     and shapes, or `checkpoint` has no task).
@@ -217,10 +242,8 @@ def model_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
     task = getattr(checkpoint, "task", None)
     if task is None:
         return None
-    from gpipe_tf.training import init_from  # it imports this module
-
-    saved = {name: shape for name, (_, shape) in init_from.source_variables(path).items()}
-    own = {init_from.variable_name(v): v.shape.as_list() for v in task.variables}
+    saved = {name: shape for name, (_, shape) in source_variables(path).items()}
+    own = {variable_name(v): v.shape.as_list() for v in task.variables}
     extra = sorted(set(saved) - set(own))
     missing = sorted(set(own) - set(saved))
     reshaped = sorted(n for n in set(own) & set(saved) if own[n] != saved[n])

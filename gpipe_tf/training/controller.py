@@ -162,6 +162,10 @@ class Controller:
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
         self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log)
+        if self._restored:
+            # The checkpoint that saves is another object than the one restored (see _build_training): it carries
+            # the save count on, so that a resumed run writes what an uninterrupted one would.
+            self.checkpoint.save_counter.assign(self._restorable.save_counter)
         if self._restored and self.learner.ema is not None:
             weight_ema.resume(self.learner.ema, self._restored, self.log)
         if self._restored is None and self.params.train.init_from.checkpoint:
@@ -256,7 +260,7 @@ class Controller:
         for warning in pipeline_report.shared_device_warnings(self.task):
             self.log(warning)
         if self.layout.is_chief:
-            pipeline_report.write(self.task, self.logdir, writer, step, self.progress)
+            pipeline_report.write(self.task, self.logdir, writer, step, self.progress, self.params.train)
             hparams.write_session(self.logdir, hparams.hparams_of(self.params, self.knobs, self.learner.precision),
                                   hparams.metric_tags(self.params, self.learner.task_metric_names))
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

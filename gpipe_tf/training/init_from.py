@@ -19,16 +19,14 @@ import re
 from typing import Callable, Sequence
 
 import tensorflow as tf
-from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.training import checkpoints
+from gpipe_tf.training.checkpoints import source_variables, variable_name
 
 # Object-graph keys of the task's own variables in a trainer checkpoint (not optimizer slots: they carry the
 # variable's name too, plus a slot suffix).
-_TASK_PREFIX = "task/"
-_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 # Names listed per category in the log line, at most.
 _SHOWN = 8
 
@@ -68,21 +66,6 @@ def _compile(pattern: str, where: str) -> re.Pattern:
         raise ParamsError(f"{where}: {pattern!r} is not a regular expression ({e}); fix the pattern") from None
 
 
-def source_variables(path: str) -> dict[str, tuple[str, list[int]]]:
-    """The task variables of a trainer checkpoint: {variable name: (checkpoint key, shape)}."""
-    reader = tf.train.load_checkpoint(path)
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
-    shapes = reader.get_variable_to_shape_map()
-    out = {}
-    for node in graph.nodes:
-        for attribute in node.attributes:
-            key = attribute.checkpoint_key
-            if key.startswith(_TASK_PREFIX) and key in shapes and attribute.full_name:
-                out[attribute.full_name] = (key, list(shapes[key]))
-    return out
-
-
 @dataclasses.dataclass
 class InitPlan:
     """What `plan` decided for each variable (names are this model's unless said otherwise)."""
@@ -93,11 +76,6 @@ class InitPlan:
     not_in_source: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, source name)
     shape_mismatch: list[tuple[str, list[int], list[int]]] = dataclasses.field(
         default_factory=list)  # (name, shape, source shape)
-
-
-def variable_name(variable: tf.Variable) -> str:
-    """A variable's name without the `:0` suffix, the name rules match."""
-    return variable.name.rsplit(":", 1)[0]
 
 
 def plan(variables: Sequence[tf.Variable], source: dict[str, tuple[str, list[int]]], p: Params) -> InitPlan:

@@ -3,7 +3,8 @@
 Everything shown comes from each pipeline's stage plan (`GPipe.plan`, the split and remat decisions training uses).
 For every GPipe layer in the task: `logdir/partition.txt` (stage, layers, params, remat, device, cost),
 `logdir/timeline.txt` and `logdir/timeline.png` (the predicted timeline with its bubble fraction),
-and the same as TensorBoard text and image summaries in `logdir/train`.
+and the same as TensorBoard text and image summaries in `logdir/train`; the partition text there also shows the
+per-device memory plan (`gpipe_tf/memory`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from typing import Callable
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import timeline
+from gpipe_tf.errors import ConfigError
+from gpipe_tf.gpipe import orders, timeline
+from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.schedules import schedule_name
-from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.hyperparams import Params, ParamsError
+from gpipe_tf.training import timeline_pictures
 from gpipe_tf.training.summaries import SummaryWriter
 
 
@@ -27,26 +31,26 @@ def pipelines(module: tf.Module) -> list[GPipe]:
     return found + [m for m in module.submodules if isinstance(m, GPipe)]
 
 
-def predicted_timeline(plan: StagePlan, num_micro_batches: int, schedule: str = timeline.FILL_DRAIN,
-                       virtual_stages: int = 1) -> timeline.Timeline:
-    """The timeline of `schedule` (one of `timeline.SCHEDULES`) predicted from a stage plan: its per-stage costs
-    (equal stages where an explicit balance computed none) and its per-stage remat decisions.
+def predicted_timeline(plan: StagePlan, num_micro_batches: int,
+                       order: ScheduleOrder | None = None) -> timeline.Timeline:
+    """The timeline of a schedule's order (`Schedule.step_order(K)`; None: fill-drain) predicted from a stage plan:
+    its per-stage costs (equal stages where an explicit balance computed none) and its per-stage remat decisions.
 
-    For the interleaved schedule the plan has one stage per pipeline stage, K * virtual_stages of them in
-    pipeline order (chunk c of device d is stage c*K + d), and the timeline has K rows.
+    The plan has one stage per pipeline stage of the order, K * v of them in pipeline order (chunk c of device d
+    is stage c*K + d), and the timeline has K rows.
     """
-    schedule, v = timeline.check_schedule(schedule, virtual_stages)
-    if plan.num_chunks % v:
-        raise ParamsError(f"virtual_stages={v} does not divide the plan's {plan.num_chunks} stages: an interleaved "
-                          "plan has K * virtual_stages stages; plan K * virtual_stages stages or change "
-                          "virtual_stages")
+    if order is None:
+        order = orders.fill_drain(plan.num_chunks)
+    if order.num_stages != plan.num_chunks:
+        raise ParamsError(f"the {order.name} order has {order.num_stages} pipeline stages (K={order.num_devices} x "
+                          f"v={order.virtual_stages}) but the plan has {plan.num_chunks}: plan with "
+                          f"virtual_stages={order.virtual_stages}, or pass the order of the schedule the plan is for")
     costs = plan.stage_costs()
     if costs is not None:
         costs = [max(c, 1e-12) for c in costs]
         total = sum(costs)
         costs = [c / total for c in costs]
-    return timeline.predict(plan.num_chunks // v, num_micro_batches, costs, remat=list(plan.remat),
-                            schedule=schedule, virtual_stages=v)
+    return timeline.predict(order, num_micro_batches, costs, remat=list(plan.remat))
 
 
 def shared_device_warnings(task: tf.Module) -> list[str]:
@@ -77,27 +81,44 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
     return warnings
 
 
-def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: Callable[[str], None]) -> None:
-    """Writes the partition table and the predicted timeline picture of each pipeline; logs the table."""
+def memory_text(pipe: GPipe, train_params: Params | None) -> str:
+    """The pipeline's per-device memory plan as text (`memory.plan`), or one line saying why there is none."""
+    from gpipe_tf.inspection import format_memory
+    from gpipe_tf.memory.plan import plan_pipeline
+
+    if train_params is None:
+        return "memory: no plan (the training Params were not given)"
+    try:
+        return "\n".join(format_memory(plan_pipeline(pipe.p, train_params, pipe.path)))
+    except ConfigError as e:
+        return f"memory: no plan: {e}"
+
+
+def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: Callable[[str], None],
+          train_params: Params | None = None) -> None:
+    """Writes the partition table and the predicted timeline picture of each pipeline; logs the table. TensorBoard's
+    partition text also shows each pipeline's per-device memory plan (from `train_params`' optimizer)."""
     pipes = pipelines(task)
     if not pipes:
         return
-    tables, texts = [], []
+    tables, texts, memories = [], [], []
     for pipe in pipes:
-        predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches, pipe.schedule.order,
-                                       pipe.plan.virtual_stages)
+        memories.append(memory_text(pipe, train_params))
+        predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches,
+                                       pipe.schedule.step_order(pipe.plan.num_devices))
         tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat} "
                       f"schedule={schedule_name(pipe.p.schedule)}\n" + pipe.partition_table())
-        texts.append(f"# {pipe.path}\n" + timeline.render_text(predicted))
+        texts.append(f"# {pipe.path}\n" + timeline_pictures.render_text(predicted))
         png_name = "timeline.png" if len(pipes) == 1 else f"timeline_{pipe.path.replace('/', '.')}.png"
         schedule = type(pipe.schedule).__name__
         with open(os.path.join(logdir, png_name), "wb") as f:
-            f.write(timeline.render_png(predicted, schedule=schedule))
-        writer.image(step, f"pipeline_timeline/{pipe.path}", timeline.image_tensor(predicted, schedule=schedule))
+            f.write(timeline_pictures.render_png(predicted, schedule=schedule))
+        writer.image(step, f"pipeline_timeline/{pipe.path}",
+                     timeline_pictures.image_tensor(predicted, schedule=schedule))
     table_text, timeline_text = "\n\n".join(tables), "\n\n".join(texts)
     for name, text in (("partition.txt", table_text), ("timeline.txt", timeline_text)):
         with open(os.path.join(logdir, name), "w", encoding="utf-8") as f:
             f.write(text + "\n")
-    writer.text(step, "partition", table_text)
+    writer.text(step, "partition", "\n\n".join(f"{table}\n\n{memory}" for table, memory in zip(tables, memories)))
     writer.text(step, "pipeline_timeline", timeline_text)
     log(table_text)

@@ -11,7 +11,13 @@ import tensorflow as tf
 
 from bench import measured_timeline
 from gpipe_tf.gpipe import timeline
+from gpipe_tf.gpipe.schedules import schedule_params
 from tests.helpers.paths import ROOT
+
+
+def _order(name, k):
+    """The order data of the schedule a short name stands for, with its default knobs, on K devices."""
+    return schedule_params(name).instantiate().step_order(k)
 
 
 def _events(plan):
@@ -34,7 +40,7 @@ def test_cells_count_runs_of_each_op_in_micro_batch_order():
         plan += [(bwd, "_MklMatMul", 0.02), ("while/body/_1/Relu/_7", "_Send", 0.001)]
     events = _events(plan)
     for order, backward_order in (("one_f_one_b", [0, 1, 2]), ("fill_drain", [2, 1, 0])):
-        cells = measured_timeline.cells_of_step([events], (0.0, 100.0), m, order)
+        cells = measured_timeline.cells_of_step([events], (0.0, 100.0), m, _order(order, 1))
         forward = sorted((c for c in cells if c.phase == timeline.FORWARD), key=lambda c: c.start)
         backward = sorted((c for c in cells if c.phase == timeline.BACKWARD), key=lambda c: c.start)
         assert [c.micro_batch for c in forward] == [0, 1, 2]
@@ -48,7 +54,7 @@ def test_interleaved_chunks_come_from_the_pipeline_stage():
     for stage in (1, 3):  # device 1 of K=2 runs pipeline stages 1 and 3: chunks 0 and 1
         plan += [(f"while/gpipe4_stage{stage}/forward/MatMul", "MatMul", 0.01)] * 2
         plan += [(f"while/gradient_tape/while/gpipe4_stage{stage}/forward/MatMul/MatMul", "MatMul", 0.01)] * 2
-    cells = measured_timeline.cells_of_step([[], _events(plan)], (0.0, 100.0), 2, "interleaved", 2)
+    cells = measured_timeline.cells_of_step([[], _events(plan)], (0.0, 100.0), 2, _order("interleaved", 2))
     assert sorted((c.stage, c.chunk, c.micro_batch, c.phase) for c in cells) == sorted(
         (1, chunk, i, phase) for chunk in (0, 1) for i in (0, 1) for phase in "FB")
 
@@ -56,9 +62,13 @@ def test_interleaved_chunks_come_from_the_pipeline_stage():
 def test_an_op_run_neither_once_nor_m_times_is_an_error():
     events = _events([("while/gpipe0_stage0/forward/MatMul", "MatMul", 0.01)] * 2)
     with pytest.raises(ValueError, match="ran 2 times in one step on worker 0, expected M=3"):
-        measured_timeline.cells_of_step([events], (0.0, 100.0), 3, "one_f_one_b")
-    with pytest.raises(ValueError, match="unrolled"):
-        measured_timeline.cells_of_step([events], (0.0, 100.0), 2, "unrolled")
+        measured_timeline.cells_of_step([events], (0.0, 100.0), 3, _order("one_f_one_b", 1))
+    # The unrolled schedule names each micro-batch's ops apart: every op runs once, none M times.
+    unrolled = _events([(f"gpipe0_stage0/micro_{i}/MatMul", "MatMul", 0.01) for i in range(2)])
+    with pytest.raises(ValueError, match="no stage op ran M times"):
+        measured_timeline.cells_of_step([unrolled], (0.0, 100.0), 2, _order("unrolled", 1))
+    with pytest.raises(ValueError, match="the fill_drain order runs on 2 devices but 1 workers were traced"):
+        measured_timeline.cells_of_step([events], (0.0, 100.0), 2, _order("fill_drain", 2))
 
 
 def test_steps_are_split_at_pauses_and_cut_steps_dropped():
@@ -74,8 +84,8 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if "measured bubble" in line]
-    assert len(lines) == 3 and all("predicted" in line and "bound" in line for line in lines), run.stdout
-    for schedule, v in (("fill_drain", 1), ("one_f_one_b", 1), ("interleaved", 2)):
+    assert len(lines) == 4 and all("predicted" in line and "bound" in line for line in lines), run.stdout
+    for schedule, v in (("fill_drain", 1), ("one_f_one_b", 1), ("interleaved", 2), ("zero_bubble", 1)):
         cells = json.loads((out / f"timeline_{schedule}.json").read_text())["cells"]
         counted = collections.Counter((c["chunk"] * 2 + c["row"], c["micro_batch"], c["phase"]) for c in cells
                                       if c["phase"] != "T")
@@ -101,9 +111,33 @@ def test_a_stalled_step_is_skipped_for_a_whole_one(monkeypatch):
     whole = [(3.0, 3.1, op, "MatMul"), (3.1, 3.2, op, "MatMul")]
     events = [(0.0, 0.1, op, "MatMul")] + stalled + whole + [(5.0, 5.1, op, "MatMul")]
     monkeypatch.setattr(measured_timeline, "_trace", lambda *args: [events])
-    got = measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, "one_f_one_b")
+    got = measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, _order("one_f_one_b", 1))
     assert sorted(c.micro_batch for c in got.cells) == [0, 1]
     assert got.makespan == pytest.approx(0.2)
     monkeypatch.setattr(measured_timeline, "_trace", lambda *args: [[(0.0, 0.1, op, "MatMul")]])
     with pytest.raises(RuntimeError, match=r"no whole step in 3 traces .*no complete step"):
-        measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, "one_f_one_b")
+        measured_timeline.trace_step(["127.0.0.1:1"], lambda: None, 0.1, 2, _order("one_f_one_b", 1))
+
+
+def test_interleaved_ops_count_as_each_cells_compute_not_its_span():
+    # One worker, M=2, 1F1B: the forward of micro-batch 1 runs beside the backward of micro-batch 0, their ops
+    # alternating. Each span covers both cells' ops; the bubble and the prediction's costs count each cell's ops.
+    fwd = "while/gpipe0_stage0/forward/MatMul"
+    fwd2 = "while/gpipe0_stage0/forward/Relu"
+    bwd = "while/gradient_tape/while/gpipe0_stage0/forward/MatMul/MatMul"
+    bwd2 = "while/gradient_tape/while/gpipe0_stage0/forward/Relu/ReluGrad"
+    plan = [(fwd, "MatMul", 0.01), (fwd2, "Relu", 0.01),  # F0: 10.00 .. 10.02
+            (bwd, "MatMul", 0.02), (fwd, "MatMul", 0.01),  # B0 and F1 interleaved
+            (bwd2, "ReluGrad", 0.02), (fwd2, "Relu", 0.01),
+            (bwd, "MatMul", 0.02), (bwd2, "ReluGrad", 0.02)]  # B1
+    cells = measured_timeline.cells_of_step([_events(plan)], (0.0, 100.0), 2, _order("one_f_one_b", 1))
+    by_key = {(c.phase, c.micro_batch): c for c in cells}
+    assert by_key["B", 0].duration == pytest.approx(0.05) and by_key["B", 0].compute == pytest.approx(0.04)
+    assert by_key["F", 1].duration == pytest.approx(0.04) and by_key["F", 1].compute == pytest.approx(0.02)
+    measured = timeline.Timeline.measured(_order("one_f_one_b", 1), 2, cells)
+    assert measured.bubble_fraction == pytest.approx(0.0, abs=1e-9)  # the worker never idled
+    predicted = measured_timeline.predicted_from(measured)
+    # Costs from the ops: F 0.02, B 0.04 each; one device runs them back to back, 0.12 in all (medians of the
+    # spans, F 0.03 and B 0.045, would give 0.15).
+    assert predicted.makespan == pytest.approx(0.12)
+    assert predicted.bubble_fraction == pytest.approx(0.0, abs=1e-9)

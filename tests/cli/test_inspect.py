@@ -1,9 +1,16 @@
-"""--mode=inspect explains what it cannot estimate, echoes the command's overrides and the balance criterion."""
+"""--mode=inspect explains what it cannot estimate, echoes the command's overrides and the balance criterion, and
+plans memory per device against --device_memory."""
 
+import json
+import os
 import subprocess
 import sys
+import textwrap
+
+import pytest
 
 from gpipe_tf import experiment, inspection
+from tests.cli.test_trainer_cli import assert_user_error
 from tests.helpers.paths import ROOT
 
 KEY = "mt.gpipe_paper.TransformerLTinyOffline"
@@ -14,15 +21,22 @@ def test_transformer_activations_are_explained_and_estimated_once_the_shape_is_g
     report = inspection.inspect(params)
     assert all(s["activation_bytes_estimate"] is None for s in report["stages"])
     text = inspection.format_report(report)
-    assert "note: activations '-': task.network.micro_batch_shape is not set" in text, text
+    assert "note: activations and memory '-': memory plan: task.network.micro_batch_shape is not set" in text, text
     assert "--params=task.network.micro_batch_shape=" in text
 
     shaped, _ = experiment.resolve_params(
         KEY, overrides="task.network.micro_batch_shape=[4, 16],task.network.input_dtype='int32'")
     report = inspection.inspect(shaped)
     assert report["estimate_notes"] == []
-    # Stage 0 (no remat, M=4): the embedding's and the first layer's [4, 16, 64] float32 outputs, per micro-batch.
-    assert report["stages"][0]["activation_bytes_estimate"] == 4 * 2 * (4 * 16 * 64 * 4)
+    # Stage 0 (no remat, fill-drain stashes all M=4): per micro-batch the embedding's output and the first layer's
+    # activations (its input ids are a slice of the mini-batch it holds), with x = one [4, 16, 64] float32 tensor:
+    # two layer norms 2x each,
+    # the scaled q, k, v, context and output 5x, the softmax [4, 4, 16, 16] (1x), the FFN's ReLU output 4x and its
+    # output 1x.
+    x = 4 * 16 * 64 * 4
+    layer = 4 * x + 5 * x + 4 * 4 * 16 * 16 * 4 + 4 * x + x
+    assert report["stages"][0]["activation_bytes_estimate"] == 4 * (x + layer)
+    assert report["memory"]["devices"][0]["stashed_activations"] == 4 * (x + layer)
 
 
 def test_balance_criterion_is_stated():
@@ -43,3 +57,73 @@ def test_trainer_inspect_echoes_the_overrides():
     assert "overrides --gin_param: BlobsMlpGPipe.num_micro_batches=2" in lines, result.stdout
     assert "overrides --params: train.learning_rate=0.5" in lines, result.stdout
     assert "pipeline task.network: K=2 M=2 remat=always" in lines, result.stdout
+
+
+SHAPED = "--params=task.network.micro_batch_shape=[4, 16],task.network.input_dtype='int32'"
+
+
+def test_device_memory_plan_and_suggestion():
+    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                             "--device_memory=4MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "memory per device (predicted; schedule fill_drain" in out, out
+    assert "does NOT fit: 1 of 2 devices exceed 4.0 MiB" in out, out
+    # 1F1B holds K - k = 2 and 1 micro-batches instead of 4: the first candidate, and it fits.
+    assert ("smallest change that fits with 15% headroom: schedule 1F1B (largest peak " in out
+            and "--params=task.network.schedule.cls=gpipe_tf.gpipe.one_f_one_b.OneForwardOneBackward" in out), out
+    as_json = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                              "--device_memory=4MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+    memory = json.loads(as_json.stdout)["memory"]
+    assert memory["fits"] is False and memory["device_memory"] == 4 * 2 ** 20
+    assert [d["fits"] for d in memory["devices"]] == [True, False]
+    assert memory["suggestion"]["change"] == "schedule 1F1B"
+
+
+@pytest.mark.parametrize("value", ["16XB", "lots", "-1GiB"])
+def test_bad_device_memory_is_one_line_exit_2(value):
+    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                             f"--device_memory={value}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert_user_error(result, f"--device_memory='{value}' is not a memory size", "GiB")
+
+
+OPAQUE = textwrap.dedent('''\
+    """An experiment with a layer that cannot say what it keeps for its backward pass."""
+    from gpipe_tf import model_registry
+    from gpipe_tf.layers.base_layer import BaseLayer
+    from gpipe_tf.layers.linear import Linear
+    from gpipe_tf.params.toy.classifier import BlobsMlpGPipe
+
+
+    class OpaqueLinear(Linear):
+        @classmethod
+        def activation_bytes(cls, p, input_spec):
+            return BaseLayer.activation_bytes.__func__(cls, p, input_spec)
+
+
+    @model_registry.register
+    class OpaqueMlp(BlobsMlpGPipe):
+        def task(self):
+            p = super().task()
+            layers = list(p.network.layers)
+            first = layers[0]
+            layers[0] = OpaqueLinear.params().set(name=first.name, input_dim=first.input_dim,
+                                                  output_dim=first.output_dim, activation=first.activation)
+            p.network.layers = layers
+            return p
+    ''')
+
+
+def test_unestimable_layer_is_one_line_exit_2(tmp_path):
+    (tmp_path / "memexp_opaque.py").write_text(OPAQUE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
+    args = [sys.executable, "trainer.py", "--module=memexp_opaque", "--model=memexp_opaque.OpaqueMlp",
+            "--mode=inspect", "--device_memory=1GiB"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert_user_error(result, "layer_0 (OpaqueLinear) cannot estimate its memory from Params",
+                      "OpaqueLinear.activation_bytes is missing")
+    # Without --device_memory the report says so in a note instead.
+    result = subprocess.run(args[:-1], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "note: activations and memory '-': memory plan: layer_0 (OpaqueLinear)" in result.stdout, result.stdout

@@ -13,6 +13,7 @@ from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
 from gpipe_tf.gpipe.unrolled import Unrolled
+from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.training import hparams
 from tests.helpers.event_files import session_hparams
@@ -21,9 +22,10 @@ from tests.helpers.paths import ROOT
 KEY = "toy.classifier.BlobsMlpGPipe"
 PATHS = {"fill_drain": "gpipe_tf.gpipe.fill_drain.FillDrain", "unrolled": "gpipe_tf.gpipe.unrolled.Unrolled",
          "one_f_one_b": "gpipe_tf.gpipe.one_f_one_b.OneForwardOneBackward",
-         "interleaved": "gpipe_tf.gpipe.interleaved.Interleaved"}
+         "interleaved": "gpipe_tf.gpipe.interleaved.Interleaved",
+         "zero_bubble": "gpipe_tf.gpipe.zero_bubble.ZeroBubble"}
 CLASSES = {"fill_drain": FillDrain, "unrolled": Unrolled, "one_f_one_b": OneForwardOneBackward,
-           "interleaved": Interleaved}
+           "interleaved": Interleaved, "zero_bubble": ZeroBubble}
 
 
 def _schedule(overrides="", bindings=(), key=KEY):
@@ -52,13 +54,18 @@ def test_the_new_class_fields_are_settable_after_it_in_the_same_string(form):
     # Unrolled has no parallel_iterations: setting it after switching is refused, naming what is defined.
     with pytest.raises(ParamsError, match="unknown param 'task.network.schedule.parallel_iterations'"):
         _schedule("task.network.schedule=unrolled,task.network.schedule.parallel_iterations=2")
+    # Nor have the schedules whose loop does not honour it (their loop runs M iterations at once, ordered by
+    # their order data): 1F1B has no knob, Interleaved only virtual_stages.
+    for name in ("one_f_one_b", "interleaved", "zero_bubble"):
+        with pytest.raises(ParamsError, match="unknown param 'task.network.schedule.parallel_iterations'"):
+            _schedule(f"task.network.schedule={name},task.network.schedule.parallel_iterations=2")
 
 
 def test_a_bad_schedule_name_or_class_is_one_line_naming_the_choices():
     with pytest.raises(ParamsError) as info:
         _schedule("task.network.schedule=interleave")
     message = str(info.value)
-    assert "'interleave'" in message and "fill_drain, one_f_one_b, interleaved, unrolled" in message
+    assert "'interleave'" in message and "fill_drain, interleaved, one_f_one_b, unrolled" in message
     assert "\n" not in message
     with pytest.raises(ParamsError, match="os.path.join has no params"):
         _schedule("task.network.schedule=os.path.join")
@@ -101,7 +108,7 @@ def test_a_trainer_run_shows_the_schedule_that_ran_in_hparams_params_txt_and_con
     text = open(os.path.join(logdir, "params.txt")).read()
     lines = [line for line in text.splitlines() if line.startswith("task.network.schedule")]
     assert lines == ["task.network.schedule : InstantiableParams(gpipe_tf.gpipe.interleaved.Interleaved)",
-                     "task.network.schedule.parallel_iterations : 1", "task.network.schedule.virtual_stages : 3"]
+                     "task.network.schedule.virtual_stages : 3"]
     values = session_hparams(logdir)
     assert values["pipeline.schedule"] == "Interleaved(virtual_stages=3)"
     assert [name for name in values if "schedule" in name] == ["pipeline.schedule"]

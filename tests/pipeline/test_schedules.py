@@ -1,5 +1,6 @@
-"""Every schedule with the loss in the pipeline equals the un-pipelined model: FillDrain, OneForwardOneBackward and
-Interleaved, K in 1..4, M in {1, 2, 4, 8}, both remat policies, float64 and float32, the MLP and the conv stack."""
+"""Every schedule with the loss in the pipeline equals the un-pipelined model: FillDrain, OneForwardOneBackward,
+ZeroBubble and Interleaved, K in 1..4, M in {1, 2, 4, 8}, both remat policies, float64 and float32, the MLP and the
+conv stack."""
 
 import collections
 
@@ -82,7 +83,7 @@ def reference():
     return x, targets, head, loss_and_grads(build(mlp_layers("float64", depth=DEPTH), "float64"), x, targets, head)
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b"])
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "zero_bubble"])
 @pytest.mark.parametrize("remat", ["never", "always"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
@@ -108,7 +109,8 @@ def test_mlp_float64_interleaved_equals_unpipelined(reference, k, m, v):
     assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("fill_drain", None)])
+@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("fill_drain", None),
+                                        ("zero_bubble", None)])
 @pytest.mark.parametrize("k,m,remat", [(2, 4, "never"), (4, 8, "always"), (2, 8, "always")])
 def test_mlp_float32_equals_unpipelined(k, m, remat, schedule, v):
     x, targets, head = data("float32", seed=2)
@@ -118,7 +120,7 @@ def test_mlp_float32_equals_unpipelined(k, m, remat, schedule, v):
     assert_same(got, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("zero_bubble", None)])
 @pytest.mark.parametrize("k,m,remat", [(1, 1, "never"), (2, 4, "always"), (2, 2, "never"), (3, 3, "always")])
 def test_conv_pair_stack_changes_shape_and_equals_unpipelined(k, m, remat, schedule, v):
     if schedule == "interleaved" and 2 * k > 5:
@@ -140,6 +142,7 @@ def test_dropout_is_identical_across_schedules_and_k():
     layers = mlp_layers("float64", dropout=0.1, depth=4)
     base = loss_and_grads(build(layers, "float64", 1, 4, "never", "fill_drain"), x, targets, head, seed)
     for k, remat, schedule in [(4, "never", "one_f_one_b"), (2, "always", "one_f_one_b"), (4, "always", "fill_drain"),
+                               (4, "never", "zero_bubble"), (2, "always", "zero_bubble"),
                                (2, "never", Interleaved.params().set(virtual_stages=2)),
                                (4, "always", Interleaved.params().set(virtual_stages=2))]:
         got = loss_and_grads(build(layers, "float64", k, 4, remat, schedule), x, targets, head, seed)
@@ -167,6 +170,7 @@ def test_input_gradient_reaches_a_layer_before_the_pipeline():
     ref = run("fill_drain")
     assert np.abs(ref).max() > 1e-3
     np.testing.assert_allclose(run("one_f_one_b"), ref, rtol=1e-10)
+    np.testing.assert_allclose(run("zero_bubble"), ref, rtol=1e-10)
     np.testing.assert_allclose(run(Interleaved.params().set(virtual_stages=2)), ref, rtol=1e-10)
 
 
@@ -238,3 +242,50 @@ def test_loss_without_a_loss_entry_is_an_error():
         return {"total": tf.reduce_sum(out)}
     with pytest.raises(ValueError, match=r"returned \['total'\]: it must return a 'loss' entry"):
         layer.fprop_with_loss(layer.theta, x, PipelineLoss(bad, (), {}), FPropContext(training=True))
+
+
+def _while_inputs(graph):
+    """The number of inputs of every while loop in `graph` and the functions it calls."""
+    graphs = [graph] + [fn.graph for fn in graph._functions.values() if hasattr(fn, "graph")]
+    return sorted(len(op.inputs) for g in graphs for op in g.get_operations() if op.type in ("While", "StatelessWhile"))
+
+
+def test_the_loop_builds_its_token_rings_from_the_order_data(reference):
+    # 1F1B at K=2 states windows (2, 1): three tokens. An order with windows (3, 3) and a forward wait of lag 2
+    # gives the loop 3 + 2 more loop variables, and the same loss and gradients (the order changes no math).
+    from gpipe_tf.gpipe import orders
+
+    x, targets, head, ref = reference
+    widths = []
+    for custom in (None, orders.ScheduleOrder("wide", 2, in_flight=(3, 3), forward_waits=((1, 0, 2),),
+                                              loss_per_micro_batch=True, backward_reversed=False)):
+        layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, 4, "never", "one_f_one_b")
+        if custom is not None:
+            layer.schedule.step_order = lambda k, custom=custom: custom
+        got = loss_and_grads(layer, x, targets, head)
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-10)
+        for g, r in zip(got[1], ref[1]):
+            np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12)
+
+        @tf.function
+        def step(x, layer=layer):
+            loss = PipelineLoss(head_fn, (head,), targets)
+            return layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]
+        widths.append(_while_inputs(step.get_concrete_function(x).graph))
+    assert len(widths[0]) == len(widths[1]) == 1 and widths[1][0] - widths[0][0] == 5, widths
+
+
+def test_zero_bubble_adds_a_weight_ring_per_stage_to_one_f_one_bs_loop(reference):
+    # ZB-H1 at K=2: 1F1B's tokens (windows 2, 1) now wait for the input gradients only, and a weight ring of the
+    # same windows waits for the weight-gradient sums: 3 more loop variables, and the same loss and gradients.
+    x, targets, head, ref = reference
+    widths = []
+    for name in ("one_f_one_b", "zero_bubble"):
+        layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, 4, "never", name)
+
+        @tf.function
+        def step(x, layer=layer):
+            loss = PipelineLoss(head_fn, (head,), targets)
+            return layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]
+        widths.append(_while_inputs(step.get_concrete_function(x).graph))
+    assert len(widths[0]) == len(widths[1]) == 1 and widths[1][0] - widths[0][0] == 3, widths

@@ -65,11 +65,17 @@ def test_pipelined_experiment_writes_partition_table_and_timeline_picture(tmp_pa
     Controller(params, logdir, log=lambda s: None).train()
     table = open(f"{logdir}/partition.txt").read()
     assert "layer_0 .. layer_" in table and "/device:CPU:1" in table
-    assert "GPipe schedule K=2 M=4" in open(f"{logdir}/timeline.txt").read()
+    assert "GPipe schedule fill_drain K=2 M=4" in open(f"{logdir}/timeline.txt").read()
     image = tf.io.decode_png(open(f"{logdir}/timeline.png", "rb").read())
     assert image.shape[0] > 0 and image.shape[2] == 3
-    tags = set()
+    tags, partition_text = set(), ""
     for name in (tmp_path / "train").iterdir():
         for event in tf.compat.v1.train.summary_iterator(str(name)):
             tags.update(v.tag for v in event.summary.value)
+            for v in event.summary.value:
+                if v.tag == "partition":
+                    partition_text += tf.make_ndarray(v.tensor).flatten()[0].decode()
     assert {"partition", "pipeline_timeline", "pipeline_timeline/classifier/network"} <= tags, tags
+    # TensorBoard's partition text also carries the per-device memory plan (Adam: 2 slots per weight).
+    assert "memory per device (predicted; schedule fill_drain, remat always" in partition_text, partition_text
+    assert "optimizer slots 2 x weights" in partition_text, partition_text

@@ -22,7 +22,7 @@ from gpipe_tf.layers.amoebanet.drop_path import DropPath
 from gpipe_tf.layers.amoebanet.genotypes import cell_genotype
 from gpipe_tf.layers.amoebanet.ops import ReluConvBN, op_params
 from gpipe_tf.layers.amoebanet.reduction import FactorizedReduction
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 
 SKIP_MODES = ("none", "same", "reduce")
 
@@ -125,8 +125,10 @@ class Cell(BaseLayer):
 
     @classmethod
     def _trace_specs(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec],
-                     flops: list[float] | None) -> tuple[tf.TensorSpec, tf.TensorSpec]:
-        """Runs `_wire` on TensorSpecs, appending each step's flops to `flops` unless it is None."""
+                     flops: list[float] | None, kept: list[int] | None = None
+                     ) -> tuple[tf.TensorSpec, tf.TensorSpec]:
+        """Runs `_wire` on TensorSpecs, appending each step's flops to `flops` and its activation bytes to `kept`
+        unless they are None."""
         children = cls.children_params(p)
         if p.skip_mode != "none" and "skip" not in children and input_spec[1].shape[-1] != p.filters:
             raise ParamsError(f"Cell expects h[i-2] with {p.filters} channels, got shape {input_spec[1].shape}")
@@ -135,6 +137,8 @@ class Cell(BaseLayer):
             cp = children[name]
             if flops is not None:
                 flops.append(cp.cls.flops(cp, spec))
+            if kept is not None:
+                kept.append(cp.cls.activation_bytes(cp, spec))
             return cp.cls.output_spec(cp, spec)
 
         def add(a: tf.TensorSpec, b: tf.TensorSpec) -> tf.TensorSpec:
@@ -144,6 +148,8 @@ class Cell(BaseLayer):
                                   f"{p.skip_mode!r} says?")
             if flops is not None:
                 flops.append(float(num_elements(a)))
+            if kept is not None:
+                kept.append(elements_bytes(a))
             return a
 
         def concat(specs: list[tf.TensorSpec]) -> tf.TensorSpec:
@@ -151,7 +157,10 @@ class Cell(BaseLayer):
                 raise ParamsError(f"Cell (genotype {p.genotype}): concatenated states have different grids: "
                                   f"{[s.shape for s in specs]}")
             channels = sum(int(s.shape[-1]) for s in specs)
-            return tf.TensorSpec(specs[0].shape[:-1].concatenate([channels]), specs[0].dtype)
+            out = tf.TensorSpec(specs[0].shape[:-1].concatenate([channels]), specs[0].dtype)
+            if kept is not None:
+                kept.append(elements_bytes(out))
+            return out
 
         return cls._wire(p, tuple(input_spec), apply, add, concat)
 
@@ -167,3 +176,42 @@ class Cell(BaseLayer):
         flops: list[float] = []
         cls._trace_specs(p, input_spec, flops)
         return float(sum(flops))
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]) -> int:
+        """What the cell keeps for its backward pass, from its wiring: every operation's internal tensors; one ReLU
+        output per state that operations start with a ReLU of (graph rewrites compute it once); every state
+        made in the cell that an operation's gradient reads directly (max pooling, a conv with no ReLU first);
+        and the concatenated output. Operation outputs feed additions and the concatenation, whose gradients
+        read nothing, so they are not kept."""
+        children = cls.children_params(p)
+        specs: list[tf.TensorSpec] = []
+        relu_read: set[int] = set()
+        direct_read: set[int] = set()
+        internal = [0]
+
+        def token(spec: tf.TensorSpec) -> int:
+            specs.append(spec)
+            return len(specs) - 1
+
+        def apply(name: str, t: int) -> int:
+            cp = children[name]
+            op = cp.cls
+            if hasattr(op, "internal_activation_bytes"):
+                internal[0] += op.internal_activation_bytes(cp, specs[t])
+                (relu_read if op.leading_relu(cp) else set()).add(t)
+                (direct_read if op.reads_input(cp) else set()).add(t)
+            else:  # DropPath: a per-example mask; the divide by a constant keeps nothing of its input
+                internal[0] += op.activation_bytes(cp, specs[t]) - (elements_bytes(specs[t])
+                                                                   if op.activation_bytes(cp, specs[t]) else 0)
+            return token(op.output_spec(cp, specs[t]))
+
+        def concat(tokens: list[int]) -> int:
+            channels = sum(int(specs[t].shape[-1]) for t in tokens)
+            return token(tf.TensorSpec(specs[tokens[0]].shape[:-1].concatenate([channels]), specs[tokens[0]].dtype))
+
+        inputs = (token(input_spec[0]), token(input_spec[1]))
+        out, _ = cls._wire(p, inputs, apply, lambda a, b: token(specs[a]), concat)
+        made_here = [t for t in direct_read if t not in inputs]
+        return (internal[0] + sum(elements_bytes(specs[t]) for t in relu_read)
+                + sum(elements_bytes(specs[t]) for t in made_here) + elements_bytes(specs[out]))

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes
 
 PADDINGS = ("SAME", "VALID")
 
@@ -123,6 +123,11 @@ class Conv2D(BaseLayer):
         kh, kw = as_pair(p.kernel_size)
         return 2.0 * _elements(*out.shape[:3], p.output_dim) * kh * kw * p.input_dim
 
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The output (the convolution's gradient reads its input and the filter, the bias add's nothing)."""
+        return elements_bytes(cls.output_spec(p, input_spec))
+
 
 class DepthwiseConv2D(BaseLayer):
     """A depthwise 2-D convolution with channel multiplier 1: kernel [kh, kw, dim, 1], no bias."""
@@ -178,3 +183,8 @@ class DepthwiseConv2D(BaseLayer):
         out = cls.output_spec(p, input_spec)
         kh, kw = as_pair(p.kernel_size)
         return 2.0 * _elements(*out.shape[:3], p.dim) * kh * kw
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The output (the gradient reads the input and the filter)."""
+        return elements_bytes(cls.output_spec(p, input_spec))

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers import initializers
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements, sensitive_dtype
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements, sensitive_dtype
 
 
 def ramped_keep_prob(keep_prob: float, step: Any, burn_in_steps: int) -> Any:
@@ -83,6 +83,12 @@ class DropPath(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """A multiply and a divide per element."""
         return 2.0 * num_elements(input_spec)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """In training with keep_prob < 1: the masked input and the output (the divide's gradient reads both
+        operands); the per-example mask is negligible. Otherwise nothing."""
+        return 0 if p.keep_prob >= 1.0 else 2 * elements_bytes(input_spec)
 
 
 def set_drop_path_step(module: tf.Module, step: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 from gpipe_tf.layers.dropout import Dropout
 from gpipe_tf.layers.linear import Linear
 
@@ -70,4 +70,14 @@ class ClassifierHead(BaseLayer):
         total = 2.0 * num_elements(input_spec[0])
         for cp in cls._children(p).values():
             total += cp.cls.flops(cp, pooled)
+        return total
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]) -> int:
+        """The ReLU's output over h[i] (its gradient reads it), the pooled features, the dropout's and the logits."""
+        pooled = tf.TensorSpec([input_spec[0].shape[0], p.input_dim], input_spec[0].dtype)
+        total = elements_bytes(input_spec[0]) + elements_bytes(pooled)
+        for cp in cls._children(p).values():
+            total += cp.cls.activation_bytes(cp, pooled)
+            pooled = cp.cls.output_spec(cp, pooled)
         return total

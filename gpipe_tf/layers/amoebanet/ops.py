@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.amoebanet.conv import Conv2D, DepthwiseConv2D, as_pair, check_channels, output_hw
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 from gpipe_tf.layers.batch_norm import BatchNorm
 
 OP_NAMES = ("sep3", "sep5", "sep7", "dil2sep5", "c1x7_7x1", "c3x3", "c1x1", "id", "avg3", "max3", "max2")
@@ -65,12 +65,39 @@ class ReluConvBN(BaseLayer):
         bn = BatchNorm.params().set(dim=p.output_dim)
         return relu + Conv2D.flops(cls._conv(p), input_spec) + BatchNorm.flops(bn, out)
 
+    @classmethod
+    def leading_relu(cls, p: InstantiableParams) -> bool:
+        """Whether the op starts with a ReLU of its input (kept once per input: graph rewrites share it)."""
+        return bool(p.relu)
+
+    @classmethod
+    def reads_input(cls, p: InstantiableParams) -> bool:
+        """Whether the op's gradient reads its input itself (a conv with no ReLU first)."""
+        return not p.relu
+
+    @classmethod
+    def internal_activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Kept inside, besides a leading ReLU and the output: the conv's output (the batch norm reads it)."""
+        return Conv2D.activation_bytes(cls._conv(p), input_spec)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The ReLU's output (its gradient reads it), the conv's (the batch norm reads it) and the batch norm's."""
+        return op_activation_bytes(cls, p, input_spec)
+
 
 def _chain_spec(parts: list[tuple[type, InstantiableParams]], input_spec: tf.TensorSpec) -> tf.TensorSpec:
     """Output spec of sub-layers applied in sequence."""
     for cls, p in parts:
         input_spec = cls.output_spec(p, input_spec)
     return input_spec
+
+
+def op_activation_bytes(op: type, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+    """A cell operation's activation bytes as a layer on its own: its leading ReLU's output, its internal tensors
+    and its output (a cell counts the ReLU once per input and the output only where a reader keeps it)."""
+    relu = elements_bytes(input_spec) if op.leading_relu(p) else 0
+    return relu + op.internal_activation_bytes(p, input_spec) + elements_bytes(op.output_spec(p, input_spec))
 
 
 def _chain_flops(parts: list[tuple[type, InstantiableParams]], input_spec: tf.TensorSpec) -> float:
@@ -140,6 +167,36 @@ class SepConv(BaseLayer):
             spec = c.output_spec(cp, spec)
         return total
 
+    @classmethod
+    def leading_relu(cls, p: InstantiableParams) -> bool:
+        """Starts with a ReLU of its input."""
+        return True
+
+    @classmethod
+    def reads_input(cls, p: InstantiableParams) -> bool:
+        """No: the ReLU's output is what the depthwise conv reads."""
+        return False
+
+    @classmethod
+    def internal_activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Per repeat: the depthwise output (the pointwise conv reads it), the pointwise output (the batch norm reads
+        it); between the repeats the second ReLU's output (the first batch norm's output feeds only that ReLU,
+        whose gradient reads its own output). The last batch norm's output is the op's output."""
+        total, spec = 0, input_spec
+        for name, c, cp in cls._parts(p):
+            if name == "depthwise_1":
+                total += elements_bytes(spec)
+            out = c.output_spec(cp, spec)
+            if not name.startswith("bn"):
+                total += elements_bytes(out)
+            spec = out
+        return total
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The leading ReLU's output, the internal tensors (`internal_activation_bytes`) and the output."""
+        return op_activation_bytes(cls, p, input_spec)
+
 
 class Bottleneck(BaseLayer):
     """c1x7_7x1 and c3x3: ReLU-conv-BN units 1x1 to fs/4, then each kernel in `kernels`, then 1x1 to fs.
@@ -196,6 +253,32 @@ class Bottleneck(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """Sum over the units."""
         return _chain_flops([(ReluConvBN, cp) for cp in cls._parts(p)], input_spec)
+
+    @classmethod
+    def leading_relu(cls, p: InstantiableParams) -> bool:
+        """Starts with a ReLU of its input."""
+        return True
+
+    @classmethod
+    def reads_input(cls, p: InstantiableParams) -> bool:
+        """No: the first unit's ReLU output is what its conv reads."""
+        return False
+
+    @classmethod
+    def internal_activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Each unit's conv output (its batch norm reads it) and, after the first, its ReLU's output."""
+        total, spec = 0, input_spec
+        for j, cp in enumerate(cls._parts(p)):
+            if j:
+                total += elements_bytes(spec)
+            total += ReluConvBN.internal_activation_bytes(cp, spec)
+            spec = ReluConvBN.output_spec(cp, spec)
+        return total
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The leading ReLU's output, the internal tensors (`internal_activation_bytes`) and the output."""
+        return op_activation_bytes(cls, p, input_spec)
 
 
 class Pool(BaseLayer):
@@ -265,6 +348,31 @@ class Pool(BaseLayer):
         extra = 0.0 if projection is None else ReluConvBN.flops(projection, pooled)
         return float(num_elements(pooled) * p.window * p.window) + extra
 
+    @classmethod
+    def leading_relu(cls, p: InstantiableParams) -> bool:
+        """No ReLU."""
+        return False
+
+    @classmethod
+    def reads_input(cls, p: InstantiableParams) -> bool:
+        """Max pooling's gradient reads its input (and output); average pooling's only shapes."""
+        return p.kind == "max"
+
+    @classmethod
+    def internal_activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Max pooling keeps its output; a projection (conv then batch norm) keeps the pooled input of its conv and
+        the conv's output."""
+        pooled = cls._pooled_spec(p, input_spec)
+        projection = cls._projection(p)
+        if projection is None:
+            return elements_bytes(pooled) if p.kind == "max" else 0
+        return elements_bytes(pooled) + ReluConvBN.internal_activation_bytes(projection, pooled)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The internal tensors (`internal_activation_bytes`) and the output."""
+        return op_activation_bytes(cls, p, input_spec)
+
 
 class Identity(BaseLayer):
     """id with stride 1 and matching channels: returns its input."""
@@ -287,6 +395,26 @@ class Identity(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> float:
         """None."""
         return 0.0
+
+    @classmethod
+    def leading_relu(cls, p: InstantiableParams) -> bool:
+        """No ReLU."""
+        return False
+
+    @classmethod
+    def reads_input(cls, p: InstantiableParams) -> bool:
+        """No."""
+        return False
+
+    @classmethod
+    def internal_activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Nothing."""
+        return 0
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """Nothing: the input passes through."""
+        return 0
 
 
 def op_params(name: str, input_dim: int, filters: int, stride: int) -> InstantiableParams:

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.amoebanet.conv import Conv2D, check_channels, output_hw
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, num_elements
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 from gpipe_tf.layers.batch_norm import BatchNorm
 
 
@@ -77,3 +77,26 @@ class FactorizedReduction(BaseLayer):
         relu = num_elements(input_spec) if p.relu else 0
         convs = sum(Conv2D.flops(cp, input_spec) for cp in cls._convs(p))
         return relu + convs + BatchNorm.flops(BatchNorm.params().set(dim=p.output_dim), out)
+
+    @classmethod
+    def leading_relu(cls, p: InstantiableParams) -> bool:
+        """Whether it starts with a ReLU of its input."""
+        return bool(p.relu)
+
+    @classmethod
+    def reads_input(cls, p: InstantiableParams) -> bool:
+        """Without a ReLU first, the convs' gradients read the input itself."""
+        return not p.relu
+
+    @classmethod
+    def internal_activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The shifted copy path 2 convolves (stride 2) and the convs' concatenation (the batch norm reads it; the
+        concat's gradient reads only shapes, so the halves go)."""
+        shifted = elements_bytes(input_spec) if p.stride == 2 else 0
+        return shifted + elements_bytes(cls.output_spec(p, input_spec))
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The ReLU's output, the internal tensors (`internal_activation_bytes`) and the batch norm's output."""
+        relu = elements_bytes(input_spec) if p.relu else 0
+        return relu + cls.internal_activation_bytes(p, input_spec) + elements_bytes(cls.output_spec(p, input_spec))

@@ -62,3 +62,11 @@ class ConvStem(BaseLayer):
         """Conv and batch norm."""
         out = Conv2D.output_spec(cls._conv(p), input_spec)
         return Conv2D.flops(cls._conv(p), input_spec) + BatchNorm.flops(BatchNorm.params().set(dim=p.filters), out)
+
+    @classmethod
+    def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """The conv's output (the batch norm reads it) and the batch norm's (the pair's second entry is the same
+        buffer: an identity copies nothing)."""
+        out = Conv2D.output_spec(cls._conv(p), input_spec)
+        return Conv2D.activation_bytes(cls._conv(p), input_spec) + BatchNorm.activation_bytes(
+            BatchNorm.params().set(dim=p.filters), out)

@@ -1,0 +1,177 @@
+"""A schedule's order as plain data (`ScheduleOrder`), stated once by each schedule and read by everything that
+needs it: the TF loop that runs it (the token rings of `windowed_loop.py`), `timeline.predict`, the measured
+timeline reader (`bench/measured_timeline.py`), the benchmark's bound and the tests.
+
+The data describes the cells of one step: F(s, i) and B(s, i), the forward and the backward of pipeline stage s
+(of S = v x K, chunk c of device d being stage c*K + d) on micro-batch i. Their dependencies:
+
+* F(s, i) after F(s-1, i) (its input) and after F(s, i-1) (each stage takes micro-batches in order);
+* B(s, i) after B(s+1, i) (its output gradient); the last stage's B(S-1, i) after its own F(S-1, i) when the loss
+  is computed per micro-batch inside the pipeline, else after the whole forward pass (the output gradient of
+  the concatenated output exists only then);
+* B(s, i) after the stage's previous backward: of i+1 where backwards go last to first, else of i-1;
+* `in_flight[s]` = w: F(s, i) after B(s, i - w): stage s holds at most w micro-batches between their forward
+  and their backward (the loop's ring of w tokens per stage);
+* `forward_waits` (s, t, lag): F(s, i) after F(t, i - lag) (a further ring on one device).
+
+With `weight_window` (zero-bubble orders) a stage's backward is two cells: B(s, i), the input gradient, which the
+previous stage waits for, and W(s, i), the weight gradients, which only the optimizer needs. The in-flight window
+then counts B only, so a stage's next forward need not wait for its weight gradients, and W(s, i) runs after
+B(s, i) and W(s, i-1), in a bubble or beside later cells; `weight_window[s]` = u bounds how far W may lag:
+F(s, i) after W(s, i - u) (the loop's ring of u tokens), so at most u micro-batches' weight-gradient stashes wait.
+
+Within those, a device runs whatever cell is ready, one at a time, as a TensorFlow worker runs ops as their
+inputs arrive. Nothing here imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpipe_tf.hyperparams import ParamsError
+
+FORWARD = "F"
+BACKWARD = "B"
+WEIGHT = "W"
+
+CellKey = tuple  # (phase, pipeline stage, micro-batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleOrder:
+    """One schedule's order of a step's cells on K devices; see the module doc for what each field means.
+
+    Attributes:
+      name: the order's name in pictures and logs (e.g. 'one_f_one_b').
+      num_devices: K.
+      virtual_stages: v, chunks per device; the pipeline has v x K stages, stage s on device s mod K.
+      in_flight: per pipeline stage, the most micro-batches it holds between forward and backward; None: no bound
+        (every forward may run before any backward).
+      forward_waits: (stage s, stage t, lag): F(s, i) also waits for F(t, i - lag).
+      loss_per_micro_batch: the last stage computes each micro-batch's loss and its gradient right after its
+        forward (1F1B); False: the backward starts from the gradient of the whole output.
+      backward_reversed: each stage's backwards visit micro-batches M-1 .. 0 (GPipe's drain), else 0 .. M-1.
+      micro_batch_multiple: M must be a multiple of this (K for Megatron-LM's groups of K micro-batches).
+      weight_window: per pipeline stage, how many micro-batches' weight gradients (W) may wait after their input
+        gradients (B); None: B and W are one cell, the whole backward.
+    """
+
+    name: str
+    num_devices: int
+    virtual_stages: int = 1
+    in_flight: tuple[int, ...] | None = None
+    forward_waits: tuple[tuple[int, int, int], ...] = ()
+    loss_per_micro_batch: bool = False
+    backward_reversed: bool = True
+    micro_batch_multiple: int = 1
+    weight_window: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for field, value in (("num_devices", self.num_devices), ("virtual_stages", self.virtual_stages),
+                             ("micro_batch_multiple", self.micro_batch_multiple)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParamsError(f"ScheduleOrder.{field}={value!r} is invalid: it must be an int >= 1")
+        if self.in_flight is not None and (len(self.in_flight) != self.num_stages
+                                           or any(w < 1 for w in self.in_flight)):
+            raise ParamsError(f"ScheduleOrder.in_flight={self.in_flight!r} is invalid: give one window >= 1 per "
+                              f"pipeline stage ({self.num_stages}), or None for no bound")
+        if self.weight_window is not None and (len(self.weight_window) != self.num_stages
+                                               or any(u < 1 for u in self.weight_window)):
+            raise ParamsError(f"ScheduleOrder.weight_window={self.weight_window!r} is invalid: give one window >= 1 "
+                              f"per pipeline stage ({self.num_stages}), or None for no separate weight gradients")
+        for s, t, lag in self.forward_waits:
+            if not (0 <= s < self.num_stages and 0 <= t < self.num_stages and lag >= 1):
+                raise ParamsError(f"ScheduleOrder.forward_waits entry {(s, t, lag)!r} is invalid: stages in "
+                                  f"[0, {self.num_stages}) and a lag >= 1")
+
+    @property
+    def num_stages(self) -> int:
+        """S = v x K, the pipeline stages a micro-batch passes."""
+        return self.num_devices * self.virtual_stages
+
+    def device(self, stage: int) -> int:
+        """The device of pipeline stage `stage`: stage mod K."""
+        return stage % self.num_devices
+
+    def bubble_bound(self, num_micro_batches: int) -> float:
+        """GPipe's bound, the idle fraction with equal stage costs: (K-1)/(vM+K-1) ((K-1)/(M+K-1) for v = 1).
+        Orders with separate weight gradients go below it by running W in the bubbles."""
+        k = self.num_devices
+        return (k - 1) / (self.virtual_stages * num_micro_batches + k - 1)
+
+    def check_micro_batches(self, num_micro_batches: int, path: str = "") -> None:
+        """Raises ParamsError when this order cannot run `num_micro_batches` (not a multiple of
+        `micro_batch_multiple`), naming the value and the fix."""
+        q, m = self.micro_batch_multiple, num_micro_batches
+        if m % q:
+            near = sorted({max(q, m // q * q), (m // q + 1) * q})
+            raise ParamsError(f"{path + '.' if path else ''}num_micro_batches={m} is not a multiple of "
+                              f"num_stages={q}: the {self.name} order runs micro-batches in groups of num_stages; "
+                              f"use num_micro_batches={' or '.join(map(str, near))} (a multiple of {q} that divides "
+                              "the batch size), or the OneForwardOneBackward schedule ('one_f_one_b')")
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The cells of one stage and micro-batch: ('F', 'B'), and 'W' with separate weight gradients."""
+        return (FORWARD, BACKWARD) if self.weight_window is None else (FORWARD, BACKWARD, WEIGHT)
+
+    def dependencies(self, phase: str, stage: int, micro_batch: int, num_micro_batches: int) -> list[CellKey]:
+        """The cells (phase, stage, micro_batch) that must end before this one starts; see the module doc."""
+        s, i, m, last = stage, micro_batch, num_micro_batches, self.num_stages - 1
+        deps: list[CellKey] = []
+        if phase == WEIGHT:
+            return [(BACKWARD, s, i)] + ([(WEIGHT, s, i - 1)] if i > 0 else [])
+        if phase == FORWARD:
+            if s > 0:
+                deps.append((FORWARD, s - 1, i))
+            if i > 0:
+                deps.append((FORWARD, s, i - 1))
+            if self.in_flight is not None and i - self.in_flight[s] >= 0:
+                deps.append((BACKWARD, s, i - self.in_flight[s]))
+            deps += [(FORWARD, t, i - lag) for w, t, lag in self.forward_waits if w == s and i - lag >= 0]
+            if self.weight_window is not None and i - self.weight_window[s] >= 0:
+                deps.append((WEIGHT, s, i - self.weight_window[s]))
+            return deps
+        if s < last:
+            deps.append((BACKWARD, s + 1, i))
+        else:
+            deps.append((FORWARD, s, i if self.loss_per_micro_batch else m - 1))
+        previous = i + 1 if self.backward_reversed else i - 1
+        if 0 <= previous < m:
+            deps.append((BACKWARD, s, previous))
+        return deps
+
+    def backward_micro_batch(self, n: int, num_micro_batches: int) -> int:
+        """The micro-batch of a stage's n-th backward in a step."""
+        return num_micro_batches - 1 - n if self.backward_reversed else n
+
+
+def fill_drain(num_devices: int) -> ScheduleOrder:
+    """GPipe: every forward, then the backwards from the last micro-batch to the first (FillDrain, Unrolled)."""
+    return ScheduleOrder("fill_drain", num_devices)
+
+
+def one_f_one_b(num_devices: int, virtual_stages: int = 1, name: str = "one_f_one_b") -> ScheduleOrder:
+    """PipeDream-Flush: the loss per micro-batch in the last stage, stage s holding at most S - s micro-batches,
+    so each stage settles into one forward, one backward. With v > 1 (Megatron-LM's interleaving) device d's first
+    chunk also starts micro-batch i only after its last chunk's forward of i - K, so groups of K micro-batches
+    pass every chunk of a device in turn, and M must be a multiple of K."""
+    k, v = num_devices, virtual_stages
+    stages = k * v
+    waits = tuple((d, d + (v - 1) * k, k) for d in range(k)) if v > 1 else ()
+    return ScheduleOrder(name, k, v, in_flight=tuple(stages - s for s in range(stages)), forward_waits=waits,
+                         loss_per_micro_batch=True, backward_reversed=False, micro_batch_multiple=k if v > 1 else 1)
+
+
+def interleaved(num_devices: int, virtual_stages: int) -> ScheduleOrder:
+    """Megatron-LM's interleaved 1F1B: `one_f_one_b` over v chunks per device, in groups of K micro-batches."""
+    order = one_f_one_b(num_devices, virtual_stages, name="interleaved")
+    return dataclasses.replace(order, micro_batch_multiple=num_devices)
+
+
+def zero_bubble(num_devices: int) -> ScheduleOrder:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2024): 1F1B's order and in-flight windows with each
+    backward split into B and W; W may lag B by K - s micro-batches on stage s, so the weight gradients fill the
+    bubbles of the drain while the stashes stay within 1F1B's count plus the waiting W's."""
+    order = one_f_one_b(num_devices, name="zero_bubble")
+    return dataclasses.replace(order, weight_window=order.in_flight)

@@ -1,0 +1,155 @@
+"""The memory of one pipeline stage (one chunk of layers on one device) from Params alone.
+
+What a stage holds at its peak, the start of the backward pass of its last stashed micro-batch:
+
+* weights, their gradient sums and the optimizer's slots (and an EMA copy), in the variables' dtype;
+* stashes: for every stashed micro-batch its input copy (kept under every remat policy) and, without remat, every
+  activation its layers keep for the backward pass (`BaseLayer.activation_bytes`, at the compute dtype; in mixed
+  precision also the compute-dtype copy of the weights, which each micro-batch casts anew);
+* with remat, one micro-batch's activations recomputed for its backward pass;
+* boundary buffers: the input the stage received (the whole mini-batch on the first stage) and the output it
+  sent, with their gradients (the last fill-drain stage keeps every micro-batch's output and output gradient; a
+  stage that holds the whole mini-batch and computes its input's gradient holds all of it);
+* working memory of the backward pass: one layer's weight gradients before they are added to the sums, the
+  activation gradient flowing between layers, the optimizer's temporaries that read only variables (computed as
+  soon as the step starts) and, with remat, the copy of the weights the recomputation differentiates;
+* or, if larger, the optimizer update's temporaries (`plan.optimizer_memory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from gpipe_tf.errors import ConfigError
+from gpipe_tf.hyperparams import InstantiableParams
+from gpipe_tf.layers.base_layer import spec_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerMemory:
+    """An optimizer's memory in copies of the weights: its slots, the weight-sized temporaries of its update that
+    read only variables (a graph step computes them at once, so they are alive through the whole backward pass),
+    and all the weight-sized temporaries its update holds at once (none that could reuse a gradient's buffer)."""
+
+    slots: float
+    early: float
+    update: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Bytes one stage holds, by kind; `peak` is their sum at the start of the backward pass."""
+
+    params: int
+    weights: int
+    gradient_sums: int
+    optimizer_slots: int
+    ema: int
+    stashed_activations: int
+    recompute: int
+    boundary_buffers: int
+    backward_working: int
+    optimizer_update: int
+    stashed_micro_batches: int
+
+    @property
+    def peak(self) -> int:
+        """Predicted peak bytes: what persists, plus the larger of the backward pass's and the update's needs."""
+        backward = self.stashed_activations + self.recompute + self.backward_working
+        return (self.weights + self.gradient_sums + self.optimizer_slots + self.ema + self.boundary_buffers
+                + max(backward, self.optimizer_update))
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields and the peak, for JSON."""
+        return {**dataclasses.asdict(self), "peak": self.peak}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTrace:
+    """Per layer of a stage, from Params: parameters, activation bytes of one micro-batch, output spec."""
+
+    params: int
+    activation_bytes: int
+    output_spec: Any
+
+
+def trace_layers(layers: Sequence[InstantiableParams], input_spec: Any, names: Sequence[str]) -> list[LayerTrace]:
+    """Each layer's parameters and activations on its input spec, propagating specs; a layer that cannot say
+    raises ConfigError naming it and what is missing."""
+    out = []
+    spec = input_spec
+    for name, lp in zip(names, layers):
+        what = "num_params"
+        try:
+            count = int(lp.cls.num_params(lp))
+            what = "output_spec"
+            next_spec = lp.cls.output_spec(lp, spec)
+            what = "activation_bytes"
+            kept = int(lp.cls.activation_bytes(lp, spec))
+        except NotImplementedError as e:
+            raise ConfigError(f"memory plan: {name} ({lp.cls.__name__}) cannot estimate its memory from Params: "
+                              f"{lp.cls.__name__}.{what} is missing ({e}); implement it, or plan without "
+                              "--device_memory") from None
+        out.append(LayerTrace(count, kept, next_spec))
+        spec = next_spec
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSetting:
+    """How a stage runs: what the planner needs besides its layers."""
+
+    micro_batches: int  # M of the pipeline
+    stashed: int  # micro-batches held stashed at the peak (from the schedule)
+    remat: bool
+    first: bool  # the stage holds the whole mini-batch input
+    last: bool
+    outputs_kept: bool  # a fill-drain last stage keeps every micro-batch's output and its gradient
+    input_gradient: bool = True  # the stage sends its input's gradient back (every stage but a data-fed first)
+    variable_bytes: int = 4  # bytes per variable element (float32)
+    compute_bytes: int = 4  # bytes per element of the compute dtype
+    optimizer: OptimizerMemory = OptimizerMemory(0.0, 0.0, 0.0)
+    ema: bool = False
+
+
+def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSetting) -> StageMemory:
+    """The stage's memory under `setting`; see the module doc."""
+    params = sum(t.params for t in traces)
+    weights = params * setting.variable_bytes
+    activations = sum(t.activation_bytes for t in traces)
+    in_bytes = spec_bytes(input_spec)
+    out_bytes = spec_bytes(traces[-1].output_spec) if traces else in_bytes
+    # Mixed precision: each micro-batch casts the stage's weights; without remat the backward keeps the cast.
+    cast_weights = params * setting.compute_bytes if setting.compute_bytes != setting.variable_bytes else 0
+    # The stage's input copy is what it received: on the first stage a slice of the mini-batch it holds (a slice
+    # along the batch shares its buffer), on a later stage the transferred micro-batch itself.
+    per_micro_batch = (0 if setting.first else in_bytes) + (0 if setting.remat else activations + cast_weights)
+    stash = setting.stashed * per_micro_batch
+    recompute = activations + cast_weights if setting.remat else 0
+    received = setting.micro_batches * in_bytes if setting.first else 0
+    sent = 2 * setting.micro_batches * out_bytes if setting.outputs_kept else 2 * out_bytes
+    returned = 0 if not setting.input_gradient else (setting.micro_batches * in_bytes if setting.first else in_bytes)
+    boundary = received + sent + returned
+    # The backward pass computes one layer's weight gradients at a time and adds them to the sums; one activation
+    # gradient flows between layers (each layer's stashed activations are freed as its gradient uses them); the
+    # optimizer's temporaries that read only variables are alive throughout; a recomputing stage differentiates
+    # with respect to a copy of its weights made in the backward pass (`gpipe/remat.py` says why).
+    largest_layer = max([t.params for t in traces] + [0]) * setting.variable_bytes
+    flowing = max(in_bytes, out_bytes)
+    opt = setting.optimizer
+    backward_working = largest_layer + flowing + int(opt.early * weights) + (weights if setting.remat else 0)
+    return StageMemory(params=params, weights=weights, gradient_sums=weights,
+                       optimizer_slots=int(opt.slots * weights), ema=weights if setting.ema else 0,
+                       stashed_activations=stash, recompute=recompute, boundary_buffers=boundary,
+                       backward_working=backward_working, optimizer_update=int(opt.update * weights),
+                       stashed_micro_batches=setting.stashed)
+
+
+def compute_spec(spec: Any, dtype: str) -> Any:
+    """`spec` with floating leaves in the compute dtype (the pipeline casts its floating inputs to it)."""
+    def cast(s: tf.TensorSpec) -> tf.TensorSpec:
+        return tf.TensorSpec(s.shape, dtype) if tf.as_dtype(s.dtype).is_floating else s
+    return tf.nest.map_structure(cast, spec)

@@ -1,0 +1,20 @@
+"""How many micro-batches' stashes each pipeline stage holds at once, read from the schedule's own order data
+(`gpipe.orders.ScheduleOrder`): the loop that runs the schedule holds exactly what its order allows."""
+
+from __future__ import annotations
+
+from gpipe_tf.gpipe.orders import ScheduleOrder
+
+
+def stashed_micro_batches(order: ScheduleOrder, num_micro_batches: int) -> list[int]:
+    """Micro-batches each of the v*K pipeline stages holds stashed at its peak (forward done, backward not).
+
+    No in-flight bound (FillDrain, Unrolled: every forward before any backward): M on every stage. A window w
+    (1F1B: K - k; Interleaved: vK - s): min(M, w). With a weight window u (zero bubble), a stage also keeps the
+    stashes of up to u micro-batches whose input gradient ran and whose weight gradients wait: min(M, w + u).
+    """
+    m = num_micro_batches
+    if order.in_flight is None:
+        return [m] * order.num_stages
+    waiting = order.weight_window or (0,) * order.num_stages
+    return [min(m, w + u) for w, u in zip(order.in_flight, waiting)]

@@ -1,0 +1,106 @@
+"""The per-device plan: stash counts by schedule, optimizer memory by name, sizes, and a hand-computed stage."""
+
+import pytest
+import tensorflow as tf
+
+from gpipe_tf import experiment
+from gpipe_tf.errors import ConfigError
+from gpipe_tf.gpipe.schedules import SCHEDULES
+from gpipe_tf.hyperparams import Params
+from gpipe_tf.layers.linear import Linear
+from gpipe_tf.memory import plan, sizes, stage
+from gpipe_tf.memory.stash import stashed_micro_batches
+from gpipe_tf.training import optimizers
+
+
+def _order(name, k, **fields):
+    return SCHEDULES[name].params().set(**fields).instantiate().step_order(k)
+
+
+def test_stash_counts_come_from_each_schedules_order_data():
+    assert stashed_micro_batches(_order("fill_drain", 4), 8) == [8, 8, 8, 8]
+    assert stashed_micro_batches(_order("unrolled", 2), 3) == [3, 3]
+    assert stashed_micro_batches(_order("one_f_one_b", 4), 8) == [4, 3, 2, 1]
+    assert stashed_micro_batches(_order("one_f_one_b", 4), 2) == [2, 2, 2, 1]
+    # Interleaved, K=2, v=2: pipeline stages 0..3 hold 4, 3, 2, 1 (stage s on device s mod 2).
+    assert stashed_micro_batches(_order("interleaved", 2, virtual_stages=2), 8) == [4, 3, 2, 1]
+    # Zero bubble: 1F1B's window plus the micro-batches whose weight gradients wait (K - k of each).
+    assert stashed_micro_batches(_order("zero_bubble", 2), 8) == [4, 2]
+
+
+def _named(name, **fields):
+    p = Params()
+    p.define("name", name, "")
+    for key, value in fields.items():
+        p.define(key, value, "")
+    return p
+
+
+def test_optimizer_memory_by_name():
+    assert plan.optimizer_memory(optimizers.SGD.params()).slots == 0
+    assert plan.optimizer_memory(optimizers.SGD.params().set(momentum=0.9)).slots == 1
+    assert plan.optimizer_memory(optimizers.Adam.params()).slots == 2
+    assert plan.optimizer_memory(optimizers.RMSProp.params()).slots == 1
+    assert plan.optimizer_memory(optimizers.RMSProp.params().set(centered=True, momentum=0.9)).slots == 3
+    assert plan.optimizer_memory(_named("adamw")).slots == 2
+    assert plan.optimizer_memory(_named("adafactor", beta1=0.0)).slots == 0
+    assert plan.optimizer_memory(_named("adafactor", beta1=0.9)).slots == 1
+    with pytest.raises(ConfigError, match="'lamb' has no memory model"):
+        plan.optimizer_memory(_named("lamb"))
+
+
+@pytest.mark.parametrize("text,expected", [("16GiB", 16 * 2 ** 30), ("8 GB", 8 * 10 ** 9), ("512MiB", 512 * 2 ** 20),
+                                           ("1.5GiB", 3 * 2 ** 29), ("1000000", 10 ** 6), ("64kb", 64000)])
+def test_sizes(text, expected):
+    assert sizes.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "-3GiB", "16XB", "0", "GiB", ""])
+def test_bad_sizes_name_the_value_and_the_units(text):
+    with pytest.raises(ConfigError) as raised:
+        sizes.parse_bytes(text)
+    assert f"--device_memory={text!r} is not a memory size" in str(raised.value)
+    assert "GiB" in str(raised.value)
+
+
+def test_one_stage_by_hand():
+    # Two Linear(16 -> 16, relu) layers, micro-batch [8, 16] float32, fill-drain M=4 stashes 4, no remat, Adam.
+    layers = [Linear.params().set(input_dim=16, output_dim=16, activation="relu") for _ in range(2)]
+    spec = tf.TensorSpec([8, 16])
+    traces = stage.trace_layers(layers, spec, ["a", "b"])
+    setting = stage.StageSetting(micro_batches=4, stashed=4, remat=False, first=False, last=False,
+                                 outputs_kept=False, optimizer=plan.optimizer_memory(optimizers.Adam.params()))
+    mem = stage.stage_memory(traces, spec, setting)
+    weights = 2 * (16 * 16 + 16) * 4
+    tensor = 8 * 16 * 4  # one micro-batch's [8, 16] float32
+    assert (mem.weights, mem.gradient_sums, mem.optimizer_slots) == (weights, weights, 2 * weights)
+    assert mem.stashed_activations == 4 * (tensor + 2 * tensor)  # input copy and the two ReLU outputs
+    # The received input is the stashed copy; output and its gradient; the input gradient sent back.
+    assert mem.boundary_buffers == 2 * tensor + tensor
+    assert mem.backward_working == weights // 2 + tensor + 2 * weights  # one layer's gradients, b1 m and b2 v
+    assert mem.optimizer_update == 3 * weights
+    backward = mem.stashed_activations + mem.backward_working
+    assert mem.peak == 4 * weights + mem.boundary_buffers + max(backward, mem.optimizer_update)
+
+
+def test_remat_keeps_inputs_and_recomputes_one_micro_batch():
+    layers = [Linear.params().set(input_dim=16, output_dim=16, activation="relu") for _ in range(2)]
+    spec = tf.TensorSpec([8, 16])
+    traces = stage.trace_layers(layers, spec, ["a", "b"])
+    setting = stage.StageSetting(micro_batches=4, stashed=4, remat=True, first=False, last=False, outputs_kept=False)
+    mem = stage.stage_memory(traces, spec, setting)
+    assert mem.stashed_activations == 4 * 8 * 16 * 4
+    assert mem.recompute == 2 * 8 * 16 * 4
+
+
+def test_transformer_l_83_9b_at_k128_is_planned():
+    params, _ = experiment.resolve_params(
+        "mt.gpipe_paper.TransformerL_3",
+        gin_bindings=["TransformerL_3.num_layers=1663", "TransformerL_3.num_stages=128",
+                      "TransformerL_3.num_micro_batches=32", "TransformerL_3.remat='always'"],
+        overrides="task.network.micro_batch_shape=[1, 1024],task.network.input_dtype='int32'")
+    result = plan.plan_pipeline(params.task.network, params.train, device_memory=16 * 2 ** 30)
+    assert len(result["devices"]) == 128
+    # 1663 layers of 50,358,272 plus the 32,000 x 2048 embedding and the final norm (the softmax is outside).
+    assert sum(d["params"] for d in result["devices"]) == 1663 * 50_358_272 + 32_000 * 2048 + 2 * 2048
+    assert all(d["stashed_micro_batches"] == 32 for d in result["devices"])

@@ -74,6 +74,7 @@ class LayerTrace:
     params: int
     activation_bytes: int
     output_spec: Any
+    shared_with_previous: int = 0  # bytes of activation_bytes the previous layer of the stage already keeps
 
 
 def trace_layers(layers: Sequence[InstantiableParams], input_spec: Any, names: Sequence[str]) -> list[LayerTrace]:
@@ -89,11 +90,13 @@ def trace_layers(layers: Sequence[InstantiableParams], input_spec: Any, names: S
             next_spec = lp.cls.output_spec(lp, spec)
             what = "activation_bytes"
             kept = int(lp.cls.activation_bytes(lp, spec))
+            shared = getattr(lp.cls, "shared_with_previous_bytes", None)
+            shared = int(shared(lp, spec)) if shared is not None else 0
         except NotImplementedError as e:
             raise ConfigError(f"memory plan: {name} ({lp.cls.__name__}) cannot estimate its memory from Params: "
                               f"{lp.cls.__name__}.{what} is missing ({e}); implement it, or plan without "
                               "--device_memory") from None
-        out.append(LayerTrace(count, kept, next_spec))
+        out.append(LayerTrace(count, kept, next_spec, shared))
         spec = next_spec
     return out
 
@@ -119,7 +122,9 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     """The stage's memory under `setting`; see the module doc."""
     params = sum(t.params for t in traces)
     weights = params * setting.variable_bytes
-    activations = sum(t.activation_bytes for t in traces)
+    # A layer's count may include a tensor the previous layer of the stage keeps too (an AmoebaNet cell's ReLU of
+    # h[i-2], the previous cell's ReLU of its h[i-1]): the stage keeps it once.
+    activations = sum(t.activation_bytes for t in traces) - sum(t.shared_with_previous for t in traces[1:])
     in_bytes = spec_bytes(input_spec)
     out_bytes = spec_bytes(traces[-1].output_spec) if traces else in_bytes
     # Mixed precision: each micro-batch casts the stage's weights; without remat the backward keeps the cast.

@@ -7,6 +7,8 @@ from gpipe_tf.errors import ConfigError
 from gpipe_tf.layers.attention import MultiHeadAttention
 from gpipe_tf.layers.linear import Linear
 from gpipe_tf.layers.normalization import LayerNorm
+from gpipe_tf.layers.amoebanet.cells import Cell
+from gpipe_tf.layers.amoebanet.network import amoebanet_layers
 from gpipe_tf.layers.amoebanet.ops import SepConv
 from gpipe_tf.memory import stage
 from tests.helpers.pipeline_models import PairConv
@@ -52,3 +54,45 @@ def test_a_layer_that_cannot_estimate_is_named():
         stage.trace_layers(layers, tf.TensorSpec([4, 2]), ["layer_0", "layer_1"])
     message = str(raised.value)
     assert "layer_1 (PairConv)" in message and "PairConv.output_spec is missing" in message, message
+
+
+def test_a_cell_keeps_its_output_only_where_a_later_cell_reads_it_directly():
+    # Genotype D concatenates 4 (normal) or 3 (reduction) states: a later cell always adjusts such an output with
+    # a ReLU first (which keeps its own output), so the concatenation is not kept.
+    d_normal = Cell.params().set(genotype="D", reduction=False, filters=8, input_dim=32, skip_dim=32,
+                                 skip_mode="same")
+    d_reduction = d_normal.copy().set(reduction=True)
+    assert not Cell.output_read_directly(d_normal) and not Cell.output_read_directly(d_reduction)
+    # Genotype B's reduction cell concatenates 2 states (2 fs channels): the cell after next, a reduction at 2 fs
+    # when N = 1, takes it unchanged as state 1, which a max pooling reads.
+    b_reduction = Cell.params().set(genotype="B", reduction=True, filters=8, input_dim=32, skip_dim=32,
+                                    skip_mode="same")
+    assert Cell.output_read_directly(b_reduction)
+
+
+def test_a_cells_count_includes_its_output_exactly_when_read_directly(monkeypatch):
+    p = Cell.params().set(genotype="D", reduction=False, filters=8, input_dim=32, skip_dim=32, skip_mode="same")
+    x = (tf.TensorSpec([2, 6, 6, 32]), tf.TensorSpec([2, 6, 6, 32]))
+    without = Cell.activation_bytes(p, x)
+    monkeypatch.setattr(Cell, "output_read_directly", classmethod(lambda cls, p: True))
+    # [2, 6, 6, 4 * 8] float32: the concatenated output.
+    assert Cell.activation_bytes(p, x) - without == 2 * 6 * 6 * 32 * 4
+
+
+def test_a_stage_keeps_the_relu_two_cells_share_once():
+    # The cell after the stem ReLUs the stem's output as its h[i-1]; the next cell ReLUs the same tensor as its
+    # h[i-2] (its skip 1x1): one ReLU in the graph, counted once by the stage.
+    layers = amoebanet_layers("D", 1, 8, 10, 32, stem="cifar")
+    stem_out = layers[0].cls.output_spec(layers[0], tf.TensorSpec([2, 32, 32, 3]))  # 2 x [2, 30, 30, 32]
+    cell0, cell1 = layers[1], layers[2]
+    relu_bytes = 2 * 30 * 30 * 32 * 4
+    assert Cell.shared_with_previous_bytes(cell0, stem_out) == 0  # no h[i-2] after the stem
+    assert Cell.shared_with_previous_bytes(cell1, Cell.output_spec(cell0, stem_out)) == relu_bytes
+    traces = stage.trace_layers([cell0, cell1], stem_out, ["cell0", "cell1"])
+    setting = stage.StageSetting(micro_batches=1, stashed=1, remat=False, first=True, last=True,
+                                 outputs_kept=True)
+    mem = stage.stage_memory(traces, stem_out, setting)
+    assert mem.stashed_activations == traces[0].activation_bytes + traces[1].activation_bytes - relu_bytes
+    # Alone in its stage (its h[i-2] received from the previous stage), the cell keeps that ReLU itself.
+    alone = stage.stage_memory(traces[1:], traces[0].output_spec, setting)
+    assert alone.stashed_activations == traces[1].activation_bytes

@@ -178,12 +178,56 @@ class Cell(BaseLayer):
         return float(sum(flops))
 
     @classmethod
+    def output_read_directly(cls, p: InstantiableParams) -> bool:
+        """Whether a later cell's gradient may read this cell's output itself (so the output is kept).
+
+        The output's readers, from the network's wiring: the next cell's input 1x1 (a ReLU first), the head (a
+        ReLU first) and the cell after next as h[i-2]. That one adjusts h[i-2] with a ReLU first unless it already
+        has that cell's fs channels on its grid; a later cell's fs is this cell's or twice it, so the output can
+        arrive unchanged only when it concatenates one or two states, and is then read directly only where an
+        operation on state 1 reads its input (max pooling)."""
+        concat = len(cell_genotype(p.genotype, p.reduction).concat)
+        if concat * p.filters not in (p.filters, 2 * p.filters):
+            return False
+        dim = concat * p.filters
+        for reduction in (False, True):
+            for block in cell_genotype(p.genotype, reduction).blocks:
+                for op, src in ((block.op_left, block.input_left), (block.op_right, block.input_right)):
+                    cp = op_params(op, dim, dim, 2 if reduction else 1)
+                    if src == 1 and getattr(cp.cls, "reads_input", lambda _: False)(cp):
+                        return True
+        return False
+
+    @classmethod
+    def shared_with_previous_bytes(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]
+                                   ) -> int:
+        """Bytes of `activation_bytes` that the previous layer, when it runs in the same graph, already keeps: the
+        ReLU of h[i-2], where the cell starts an operation with one. The previous cell passed h[i-2] on as its
+        h[i-1] and started its input 1x1 with a ReLU of it (the stem's pair is one tensor and an identity of it),
+        and graph rewrites compute a ReLU of one tensor once."""
+        walk = cls._walk(p, input_spec)
+        skip = walk["inputs"][1]
+        return elements_bytes(walk["specs"][skip]) if skip in walk["relu_read"] else 0
+
+    @classmethod
     def activation_bytes(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]) -> int:
         """What the cell keeps for its backward pass, from its wiring: every operation's internal tensors; one ReLU
         output per state that operations start with a ReLU of (graph rewrites compute it once); every state
         made in the cell that an operation's gradient reads directly (max pooling, a conv with no ReLU first);
-        and the concatenated output. Operation outputs feed additions and the concatenation, whose gradients
-        read nothing, so they are not kept."""
+        and the concatenated output only where a later cell may read it directly (`output_read_directly`; its
+        other readers start with a ReLU, which keeps its own output). Operation outputs feed additions and the
+        concatenation, whose gradients read nothing, so they are not kept."""
+        walk = cls._walk(p, input_spec)
+        specs, inputs, relu_read = walk["specs"], walk["inputs"], walk["relu_read"]
+        made_here = [t for t in walk["direct_read"] if t not in inputs]
+        return (walk["internal"] + sum(elements_bytes(specs[t]) for t in relu_read)
+                + sum(elements_bytes(specs[t]) for t in made_here)
+                + (elements_bytes(specs[walk["out"]]) if cls.output_read_directly(p) else 0))
+
+    @classmethod
+    def _walk(cls, p: InstantiableParams, input_spec: tuple[tf.TensorSpec, tf.TensorSpec]) -> dict[str, Any]:
+        """Runs `_wire` on tokens of specs: the specs, the input and output tokens, the states ReLU'd or read
+        directly by an operation, and the operations' internal bytes."""
         children = cls.children_params(p)
         specs: list[tf.TensorSpec] = []
         relu_read: set[int] = set()
@@ -212,6 +256,5 @@ class Cell(BaseLayer):
 
         inputs = (token(input_spec[0]), token(input_spec[1]))
         out, _ = cls._wire(p, inputs, apply, lambda a, b: token(specs[a]), concat)
-        made_here = [t for t in direct_read if t not in inputs]
-        return (internal[0] + sum(elements_bytes(specs[t]) for t in relu_read)
-                + sum(elements_bytes(specs[t]) for t in made_here) + elements_bytes(specs[out]))
+        return {"specs": specs, "inputs": inputs, "out": out, "relu_read": relu_read, "direct_read": direct_read,
+                "internal": internal[0]}

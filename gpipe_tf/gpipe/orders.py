@@ -71,22 +71,22 @@ class ScheduleOrder:
                              ("micro_batch_multiple", self.micro_batch_multiple)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParamsError(f"ScheduleOrder.{field}={value!r} is invalid: it must be an int >= 1")
-        if self.in_flight is not None and (len(self.in_flight) != self.num_stages
+        if self.in_flight is not None and (len(self.in_flight) != self.num_chunks
                                            or any(w < 1 for w in self.in_flight)):
             raise ParamsError(f"ScheduleOrder.in_flight={self.in_flight!r} is invalid: give one window >= 1 per "
-                              f"pipeline stage ({self.num_stages}), or None for no bound")
-        if self.weight_window is not None and (len(self.weight_window) != self.num_stages
+                              f"pipeline stage ({self.num_chunks}), or None for no bound")
+        if self.weight_window is not None and (len(self.weight_window) != self.num_chunks
                                                or any(u < 1 for u in self.weight_window)):
             raise ParamsError(f"ScheduleOrder.weight_window={self.weight_window!r} is invalid: give one window >= 1 "
-                              f"per pipeline stage ({self.num_stages}), or None for no separate weight gradients")
+                              f"per pipeline stage ({self.num_chunks}), or None for no separate weight gradients")
         for s, t, lag in self.forward_waits:
-            if not (0 <= s < self.num_stages and 0 <= t < self.num_stages and lag >= 1):
+            if not (0 <= s < self.num_chunks and 0 <= t < self.num_chunks and lag >= 1):
                 raise ParamsError(f"ScheduleOrder.forward_waits entry {(s, t, lag)!r} is invalid: stages in "
-                                  f"[0, {self.num_stages}) and a lag >= 1")
+                                  f"[0, {self.num_chunks}) and a lag >= 1")
 
     @property
-    def num_stages(self) -> int:
-        """S = v x K, the pipeline stages a micro-batch passes."""
+    def num_chunks(self) -> int:
+        """S = v x K, the pipeline stages (chunks) a micro-batch passes; K is `num_devices`."""
         return self.num_devices * self.virtual_stages
 
     def device(self, stage: int) -> int:
@@ -117,7 +117,7 @@ class ScheduleOrder:
 
     def dependencies(self, phase: str, stage: int, micro_batch: int, num_micro_batches: int) -> list[CellKey]:
         """The cells (phase, stage, micro_batch) that must end before this one starts; see the module doc."""
-        s, i, m, last = stage, micro_batch, num_micro_batches, self.num_stages - 1
+        s, i, m, last = stage, micro_batch, num_micro_batches, self.num_chunks - 1
         deps: list[CellKey] = []
         if phase == WEIGHT:
             return [(BACKWARD, s, i)] + ([(WEIGHT, s, i - 1)] if i > 0 else [])

@@ -284,7 +284,7 @@ def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> li
     Committing the cell that can start earliest is final: any cell not yet ready waits for a cell that starts
     no earlier, so nothing committed later could have started before it on the same device.
     """
-    k, stages = order.num_devices, order.num_stages
+    k, stages = order.num_devices, order.num_chunks
     keys = [(phase, s, i) for s in range(stages) for i in range(m) for phase in order.phases]
     deps = {key: order.dependencies(*key, m) for key in keys}
     dependents: dict[tuple, list[tuple]] = {key: [] for key in keys}
@@ -347,7 +347,7 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
         order = fill_drain(_check_count("num_stages", order, "the number of pipeline stages"))
     m = _check_count("num_micro_batches", num_micro_batches, "the number of micro-batches per batch")
     order.check_micro_batches(m)
-    k, v, count = order.num_devices, order.virtual_stages, order.num_stages
+    k, v, count = order.num_devices, order.virtual_stages, order.num_chunks
     count_text = f"num_stages={k}" + (f" x virtual_stages={v} = {count} pipeline stages" if v > 1 else "")
     costs = _check_costs(stage_costs, count, count_text)
     ratio = check_positive("backward_ratio", backward_ratio, "backward cost / forward cost, typically 2")

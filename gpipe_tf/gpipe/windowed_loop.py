@@ -38,8 +38,8 @@ from gpipe_tf.layers.base_layer import FPropContext
 def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder) -> tuple[dict, dict[str, Any] | None]:
     """Forward, loss and backward of every micro-batch of `job` in one loop ordered by `order` (its stages are
     the job's chunks): ({name: sum over the batch}, summed aux statistics or None); see the module doc."""
-    if order.num_stages != job.num_chunks or order.in_flight is None:
-        raise ValueError(f"the {order.name} order has {order.num_stages} stages and in_flight={order.in_flight}: "
+    if order.num_chunks != job.num_chunks or order.in_flight is None:
+        raise ValueError(f"the {order.name} order has {order.num_chunks} stages and in_flight={order.in_flight}: "
                          f"this loop needs one in-flight window per chunk of the job ({job.num_chunks})")
     if len({s for s, _, _ in order.forward_waits}) != len(order.forward_waits):
         raise ValueError(f"the {order.name} order's forward_waits {order.forward_waits} give a stage two waits: "

@@ -15,6 +15,6 @@ def stashed_micro_batches(order: ScheduleOrder, num_micro_batches: int) -> list[
     """
     m = num_micro_batches
     if order.in_flight is None:
-        return [m] * order.num_stages
-    waiting = order.weight_window or (0,) * order.num_stages
+        return [m] * order.num_chunks
+    waiting = order.weight_window or (0,) * order.num_chunks
     return [min(m, w + u) for w, u in zip(order.in_flight, waiting)]

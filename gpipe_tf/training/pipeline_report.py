@@ -41,8 +41,8 @@ def predicted_timeline(plan: StagePlan, num_micro_batches: int,
     """
     if order is None:
         order = orders.fill_drain(plan.num_chunks)
-    if order.num_stages != plan.num_chunks:
-        raise ParamsError(f"the {order.name} order has {order.num_stages} pipeline stages (K={order.num_devices} x "
+    if order.num_chunks != plan.num_chunks:
+        raise ParamsError(f"the {order.name} order has {order.num_chunks} pipeline stages (K={order.num_devices} x "
                           f"v={order.virtual_stages}) but the plan has {plan.num_chunks}: plan with "
                           f"virtual_stages={order.virtual_stages}, or pass the order of the schedule the plan is for")
     costs = plan.stage_costs()

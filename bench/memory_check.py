@@ -48,13 +48,9 @@ _TRANSFORMER = ("TransformerLTinyOffline.num_layers=4", "TransformerLTinyOffline
 _AMOEBA = ("AmoebaNetTinyOffline.image_size=32",)
 
 
-_SCHEDULE_CLASSES = {"fill_drain": "gpipe_tf.gpipe.fill_drain.FillDrain",
-                     "one_f_one_b": "gpipe_tf.gpipe.one_f_one_b.OneForwardOneBackward"}
-
-
 def _net(k: int, m: int, remat: str, schedule: str, batch: int, shape: list[int], dtype: str) -> str:
     return (f"task.network.num_stages={k},task.network.num_micro_batches={m},task.network.remat='{remat}',"
-            f"task.network.schedule.cls={_SCHEDULE_CLASSES[schedule]},"
+            f"task.network.schedule='{schedule}',"
             f"task.network.micro_batch_shape={[batch // m] + shape},"
             f"task.network.input_dtype='{dtype}'")
 

@@ -219,9 +219,9 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
 def step_order(schedule: str, k: int) -> Any:
     """The order data (`orders.ScheduleOrder`) of the schedule a short name stands for, with its default knobs,
     on K devices."""
-    from gpipe_tf.gpipe.schedules import schedule_params
+    from gpipe_tf.gpipe import schedules
 
-    return schedule_params(schedule).instantiate().step_order(k)
+    return schedules.step_order(schedule, k)
 
 
 def bound(k: int, m: int, schedule: str) -> float:

@@ -162,18 +162,10 @@ def inspect(params: Params, overrides: dict[str, Any] | None = None,
     return report
 
 
-def _human(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
-            return f"{num_bytes:,.1f} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:,.1f} GiB"
-
-
 def format_report(report: dict[str, Any]) -> str:
     """The report as text: totals, then one line per stage."""
     lines = [f"model {report['model']}: {report['total_params']:,} trainable parameters "
-             f"({_human(report['total_params'] * 4)} in float32)"]
+             f"({human(report['total_params'] * 4)} in float32)"]
     for name, value in report.get("overrides", {}).items():
         lines.append(f"overrides --{name}: " + (", ".join(value) if isinstance(value, (list, tuple)) else value))
     if report["stages"]:
@@ -183,7 +175,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"{'stage':>5}  {'params':>16}  {'remat':<5}  {'activations (est.)':>18}  layers")
         for s in report["stages"]:
             act = s["activation_bytes_estimate"]
-            act_text = "-" if act is None else _human(act)
+            act_text = "-" if act is None else human(act)
             params_text = "-" if s["params"] is None else f"{s['params']:,}"
             span = f"{s['layers'][0]} .. {s['layers'][-1]}" if len(s["layers"]) > 1 else s["layers"][0]
             lines.append(f"{s['stage']:>5}  {params_text:>16}  {'yes' if s['remat'] else 'no':<5}  {act_text:>18}  "

@@ -17,18 +17,14 @@ step), so M must be a multiple of K.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gpipe_tf.gpipe import fill_drain, orders, windowed_loop
+from gpipe_tf.gpipe import orders
 from gpipe_tf.gpipe.orders import ScheduleOrder
-from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
+from gpipe_tf.gpipe.windowed_loop import WindowedSchedule
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 
-class Interleaved(Schedule, short_name="interleaved"):
+class Interleaved(WindowedSchedule, short_name="interleaved"):
     """Megatron-LM's interleaved 1F1B: v chunks of layers per device, pipeline stage c*K + d on device d."""
-
-    needs_output_spec = True  # outside training it runs fill-drain's forward loop, which preallocates outputs
 
     @classmethod
     def params(cls) -> InstantiableParams:
@@ -48,13 +44,3 @@ class Interleaved(Schedule, short_name="interleaved"):
     def step_order(self, num_devices: int) -> ScheduleOrder:
         """Megatron-LM's interleaved order on v = virtual_stages chunks per device (`orders.interleaved`)."""
         return orders.interleaved(num_devices, self.p.virtual_stages)
-
-    def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
-        """The forward pass alone, as fill-drain's loop over the v x K chunks (no backward order to keep)."""
-        return fill_drain.run_loop(job, inputs)
-
-    def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
-        """Forward, loss and backward of every micro-batch in one loop (`windowed_loop.run`) when training."""
-        if not job.training:
-            return super().run_with_loss(job, inputs, loss)
-        return windowed_loop.run(job, inputs, loss, self.step_order(job.plan.num_devices))

@@ -15,28 +15,14 @@ forward loop (`fill_drain.run_loop`), which needs no backward order.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gpipe_tf.gpipe import fill_drain, orders, windowed_loop
+from gpipe_tf.gpipe import orders
 from gpipe_tf.gpipe.orders import ScheduleOrder
-from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
+from gpipe_tf.gpipe.windowed_loop import WindowedSchedule
 
 
-class OneForwardOneBackward(Schedule, short_name="one_f_one_b"):
+class OneForwardOneBackward(WindowedSchedule, short_name="one_f_one_b"):
     """PipeDream-Flush's 1F1B order as one placed while loop: stage k holds at most K - k micro-batches. No knobs."""
-
-    needs_output_spec = True  # outside training it runs fill-drain's forward loop, which preallocates outputs
 
     def step_order(self, num_devices: int) -> ScheduleOrder:
         """1F1B: the loss per micro-batch, stage k holding at most K - k micro-batches (`orders.one_f_one_b`)."""
         return orders.one_f_one_b(num_devices)
-
-    def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
-        """The forward pass alone, as fill-drain's loop (no backward order to keep)."""
-        return fill_drain.run_loop(job, inputs)
-
-    def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
-        """Forward, loss and backward of every micro-batch in one loop (`windowed_loop.run`) when training."""
-        if not job.training:
-            return super().run_with_loss(job, inputs, loss)
-        return windowed_loop.run(job, inputs, loss, self.step_order(job.plan.num_devices))

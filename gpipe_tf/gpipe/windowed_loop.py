@@ -27,13 +27,33 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import loop_parts, microbatch, placement
+from gpipe_tf.gpipe import fill_drain, loop_parts, microbatch, placement
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import StageForward
-from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, stopped_arguments
+from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule, stopped_arguments
 from gpipe_tf.layers.base_layer import FPropContext
 
+
+
+class WindowedSchedule(Schedule):
+    """A schedule run by this loop: a subclass states only its order (`step_order`, with in-flight windows).
+
+    Training runs forward, loss and backward in this loop; outside training (evaluation, or a caller without a
+    loss) there is no backward order to keep, and fill-drain's forward loop runs.
+    """
+
+    needs_output_spec = True  # fill-drain's forward loop preallocates the outputs
+
+    def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
+        """The forward pass alone, as fill-drain's loop."""
+        return fill_drain.run_loop(job, inputs)
+
+    def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
+        """Forward, loss and backward of every micro-batch in this loop when training, in the schedule's order."""
+        if not job.training:
+            return super().run_with_loss(job, inputs, loss)
+        return run(job, inputs, loss, self.step_order(job.plan.num_devices))
 
 def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder) -> tuple[dict, dict[str, Any] | None]:
     """Forward, loss and backward of every micro-batch of `job` in one loop ordered by `order` (its stages are

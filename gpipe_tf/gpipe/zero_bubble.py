@@ -14,28 +14,14 @@ it runs fill-drain's forward loop.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gpipe_tf.gpipe import fill_drain, orders, windowed_loop
+from gpipe_tf.gpipe import orders
 from gpipe_tf.gpipe.orders import ScheduleOrder
-from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
+from gpipe_tf.gpipe.windowed_loop import WindowedSchedule
 
 
-class ZeroBubble(Schedule, short_name="zero_bubble"):
+class ZeroBubble(WindowedSchedule, short_name="zero_bubble"):
     """ZB-H1: 1F1B's order with the weight gradients (W) split off the backward (B) and free to fill bubbles."""
-
-    needs_output_spec = True  # outside training it runs fill-drain's forward loop, which preallocates outputs
 
     def step_order(self, num_devices: int) -> ScheduleOrder:
         """ZB-H1's order: `orders.zero_bubble`."""
         return orders.zero_bubble(num_devices)
-
-    def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
-        """The forward pass alone, as fill-drain's loop (no backward order to keep)."""
-        return fill_drain.run_loop(job, inputs)
-
-    def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
-        """Forward, loss, B and W of every micro-batch in one loop (`windowed_loop.run`) when training."""
-        if not job.training:
-            return super().run_with_loss(job, inputs, loss)
-        return windowed_loop.run(job, inputs, loss, self.step_order(job.plan.num_devices))

@@ -3,7 +3,7 @@ the schedule and remat policy, boundary buffers and predicted peak, against a de
 
 Everything comes from Params (`stage.py` says what a stage holds), so an 83.9B-parameter, 128-device plan takes
 seconds. The stage split is the pipeline's own (`gpipe.plan.make_plan`), the stash counts the schedule's
-(`stash.stashed_micro_batches`), the optimizer's slots the configured optimizer's (`optimizer_slot_copies`).
+(`stash.stashed_micro_batches`), the optimizer's slots the configured optimizer's (`optimizer_memory`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tensorflow as tf
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.plan import make_plan
-from gpipe_tf.gpipe.schedules import schedule_params
+from gpipe_tf.gpipe.schedules import step_order
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.memory import stage as stage_lib
 from gpipe_tf.memory.stage import OptimizerMemory
@@ -48,14 +48,9 @@ def optimizer_memory(optimizer: Params) -> OptimizerMemory:
                       "Adafactor")
 
 
-def optimizer_slot_copies(optimizer: Params) -> float:
-    """Slot variables per weight of the optimizer `optimizer` describes (`optimizer_memory`)."""
-    return optimizer_memory(optimizer).slots
-
-
 def schedule_order(pipe: InstantiableParams, path: str = "task.network") -> ScheduleOrder:
     """The order data of the schedule `pipe` (GPipe Params) runs, for its K devices: what its loop holds."""
-    return schedule_params(pipe.schedule, path).instantiate().step_order(pipe.num_stages)
+    return step_order(pipe.schedule, pipe.num_stages, path)
 
 
 def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.network",
@@ -73,7 +68,6 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
                           f"{path}.input_dtype=int32")
     order = schedule_order(pipe, path)
     plan = make_plan(pipe, virtual_stages=order.virtual_stages, num_replicas=None, measure=None, path=path)
-    schedule = order.name
     k, m, v = plan.num_devices, pipe.num_micro_batches, order.virtual_stages
     stashes = stashed_micro_batches(order, m)
     var_dtype = tf.as_dtype(pipe.dtype or "float32")
@@ -88,7 +82,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         traces = stage_lib.trace_layers([layers[j] for j in indices], spec, names)
         setting = stage_lib.StageSetting(
             micro_batches=m, stashed=stashes[s], remat=plan.remat[s], first=s == 0, last=s == plan.num_chunks - 1,
-            outputs_kept=s == plan.num_chunks - 1 and schedule in ("fill_drain", "unrolled"), input_gradient=s > 0,
+            outputs_kept=s == plan.num_chunks - 1 and not order.loss_per_micro_batch, input_gradient=s > 0,
             variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema)
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
         spec = traces[-1].output_spec
@@ -103,7 +97,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         row["fits"] = None if device_memory is None else row["peak"] <= device_memory
         devices.append(row)
     fits = None if device_memory is None else all(r["fits"] for r in devices)
-    return {"schedule": schedule, "num_devices": k, "virtual_stages": v, "num_micro_batches": m,
+    return {"schedule": order.name, "num_devices": k, "virtual_stages": v, "num_micro_batches": m,
             "remat": pipe.remat, "compute_dtype": compute.name, "optimizer_slot_copies": opt.slots, "ema": ema,
             "device_memory": device_memory, "fits": fits, "devices": devices, "stages": per_stage,
             "max_peak": max(r["peak"] for r in devices)}

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, Params
-from gpipe_tf.memory.plan import plan_pipeline
+from gpipe_tf.memory.plan import plan_pipeline, schedule_order
 
 Change = tuple[str, dict[str, Any]]  # (description, {field: value} on the pipeline Params)
 HEADROOM = 0.15  # a suggestion's predicted peak stays below (1 - HEADROOM) x the budget
@@ -36,9 +36,8 @@ def _micro_batch_changes(pipe: InstantiableParams) -> list[Change]:
 def candidate_changes(pipe: InstantiableParams) -> list[list[Change]]:
     """Groups of alternative single changes, in order of preference (see the module doc)."""
     groups: list[list[Change]] = []
-    from gpipe_tf.gpipe.schedules import schedule_params
-    if schedule_params(pipe.schedule).cls.__name__ in ("FillDrain", "Unrolled"):
-        groups.append([("schedule 1F1B", {"schedule.cls": "gpipe_tf.gpipe.one_f_one_b.OneForwardOneBackward"})])
+    if schedule_order(pipe).in_flight is None:  # every forward before any backward: 1F1B bounds the stashes
+        groups.append([("schedule 1F1B", {"schedule": "one_f_one_b"})])
     groups.append(_micro_batch_changes(pipe))
     if pipe.remat != "always":
         groups.append([("remat='always'", {"remat": "always"})])
@@ -53,22 +52,10 @@ def candidate_changes(pipe: InstantiableParams) -> list[list[Change]]:
     return [g for g in groups if g]
 
 
-def _text(value: Any) -> str:
-    """A value as --params writes it: class paths bare, strings quoted."""
-    if isinstance(value, str) and value.startswith("gpipe_tf."):
-        return value
-    return repr(value)
-
-
 def _apply(pipe: InstantiableParams, changes: list[Change]) -> InstantiableParams:
     new = pipe.copy()
     for _, fields in changes:
-        for key, value in fields.items():
-            if key == "schedule.cls":
-                from gpipe_tf.gpipe.schedules import SCHEDULES
-                new.schedule = SCHEDULES["one_f_one_b"].params()
-            else:
-                new.set(**{key: value})
+        new.set(**fields)
     return new
 
 
@@ -87,6 +74,6 @@ def suggest(pipe: InstantiableParams, train: Params, device_memory: int, path: s
         except (ConfigError, ValueError):
             continue  # e.g. more stages than the balance allows: not a candidate
         if plan["max_peak"] <= (1 - HEADROOM) * device_memory:
-            text = ",".join(f"{path}.{key}={_text(value)}" for _, fields in changes for key, value in fields.items())
+            text = ",".join(f"{path}.{key}={value!r}" for _, fields in changes for key, value in fields.items())
             return {"change": " and ".join(d for d, _ in changes), "params": text, "max_peak": plan["max_peak"]}
     return None

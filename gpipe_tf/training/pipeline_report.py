@@ -106,11 +106,11 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
         memories.append(memory_text(pipe, train_params))
         predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches,
                                        pipe.schedule.step_order(pipe.plan.num_devices))
+        schedule = schedule_name(pipe.p.schedule)  # one name for the table and the picture
         tables.append(f"# {pipe.path}: K={pipe.p.num_stages} M={pipe.p.num_micro_batches} remat={pipe.p.remat} "
-                      f"schedule={schedule_name(pipe.p.schedule)}\n" + pipe.partition_table())
+                      f"schedule={schedule}\n" + pipe.partition_table())
         texts.append(f"# {pipe.path}\n" + timeline_pictures.render_text(predicted))
         png_name = "timeline.png" if len(pipes) == 1 else f"timeline_{pipe.path.replace('/', '.')}.png"
-        schedule = type(pipe.schedule).__name__
         with open(os.path.join(logdir, png_name), "wb") as f:
             f.write(timeline_pictures.render_png(predicted, schedule=schedule))
         writer.image(step, f"pipeline_timeline/{pipe.path}",

@@ -105,6 +105,7 @@ class Controller:
         self.layout.attach_devices(replica_home_devices(self.task, self.layout.local_replicas))
         self.learner: Learner | None = None
         self._restored: str | None = None
+        self._init_from_prepared: tuple[str, init_from.InitPlan] | None = None  # a new run's checked source
         self._ready = False
         self.manager: tf.train.CheckpointManager | None = None  # made by restore(), after any state-file repair
         self._stop_signal: int | None = None
@@ -133,7 +134,7 @@ class Controller:
         if source and not checkpoints.checkpoint_paths(self.logdir):
             # A new run will read it: a wrong path, an unreadable source or rules that copy nothing are refused
             # before anything is written.
-            init_from.prepare(self.task.variables, self.params.train.init_from)
+            self._init_from_prepared = init_from.prepare(self.task.variables, self.params.train.init_from)
         self.progress(describe_precision(self.learner.precision))
         # Tracing here and graph optimization in the first step take from seconds to minutes on a pipeline.
         self.progress("compiling the train step ...")
@@ -162,7 +163,7 @@ class Controller:
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
         self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log)
-        if self._restored:
+        if self._restored and self._restorable is not self.checkpoint:
             # The checkpoint that saves is another object than the one restored (see _build_training): it carries
             # the save count on, so that a resumed run writes what an uninterrupted one would.
             self.checkpoint.save_counter.assign(self._restorable.save_counter)
@@ -170,7 +171,7 @@ class Controller:
             weight_ema.resume(self.learner.ema, self._restored, self.log)
         if self._restored is None and self.params.train.init_from.checkpoint:
             # A new run (step 0): fine-tuning starts from another run's variables; a resumed run never re-reads them.
-            init_from.apply(self.task.variables, self.params.train.init_from, self.log)
+            init_from.apply(self.task.variables, self.params.train.init_from, self.log, self._init_from_prepared)
         elif self._restored and self.params.train.init_from.checkpoint:
             self.log(f"train.init_from.checkpoint={self.params.train.init_from.checkpoint!r} not applied: the run "
                      f"resumes from its own {self._restored} (init_from starts only a new run; use a new --logdir "
@@ -194,8 +195,9 @@ class Controller:
         state = dict(task=self.task, optimizer=self.learner.optimizer, global_step=self.learner.global_step,
                      train_iterator=self.train_iterator, **self.learner.checkpointed())
         self.checkpoint = tf.train.Checkpoint(**state)
-        # Restored without the weight averages, which a resumed run may have turned on (weight_ema.resume).
-        self._restorable = tf.train.Checkpoint(**{k: v for k, v in state.items() if k != weight_ema.CHECKPOINT_KEY})
+        # With weight averages on, restored without them: a resumed run may have turned them on (weight_ema.resume).
+        self._restorable = self.checkpoint if weight_ema.CHECKPOINT_KEY not in state else tf.train.Checkpoint(
+            **{k: v for k, v in state.items() if k != weight_ema.CHECKPOINT_KEY})
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
@@ -485,7 +487,10 @@ class Controller:
                 if reason is None:
                     try:
                         checkpoints.restore(checkpoint, path, partial=True)
-                        self._use_averages(path)
+                        try:
+                            self._use_averages(path)
+                        except ConfigError as e:  # saved before the run turned averaging on
+                            self.log(f"warning: {e}; evaluating {path} with its trained weights")
                     except tf.errors.OpError as e:
                         reason = " ".join(str(e).split())[:300]
                 if reason is not None:

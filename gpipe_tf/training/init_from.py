@@ -149,12 +149,15 @@ def prepare(variables: Sequence[tf.Variable], p: Params) -> tuple[str, InitPlan]
     return path, result
 
 
-def apply(variables: Sequence[tf.Variable], p: Params, log: Callable[[str], None]) -> InitPlan:
+def apply(variables: Sequence[tf.Variable], p: Params, log: Callable[[str], None],
+          prepared: tuple[str, InitPlan] | None = None) -> InitPlan:
     """Copies the source checkpoint's values into `variables` by `p`'s rules; logs what was and was not copied.
 
-    ConfigError as `prepare` when the source cannot be read or the rules copy nothing.
+    prepared: what `prepare` returned for the same variables and Params, so that the source is checked and read
+    once; None prepares here, with ConfigError as `prepare` when the source cannot be read or the rules copy
+    nothing.
     """
-    path, result = prepare(variables, p)
+    path, result = prepared if prepared is not None else prepare(variables, p)
     reader = tf.train.load_checkpoint(path)
     for variable, _, key in result.copies:
         variable.assign(tf.cast(reader.get_tensor(key), variable.dtype))

@@ -134,8 +134,8 @@ def maybe_use_averages(task: tf.Module, train_params: Params, path: str, log: Ca
     """
     if not _holds_averages(path):
         if train_params.ema_decay:
-            raise ConfigError(f"checkpoint {path} holds no weight averages (its run trained with train.ema_decay=0); "
-                              "drop --params=train.ema_decay or pass --params=train.ema_decay=0 to use its weights")
+            raise ConfigError(f"checkpoint {path} holds no weight averages (it was saved with train.ema_decay=0); "
+                              "pass --params=train.ema_decay=0 to read its trained weights")
         return None
     if ema is None:
         ema = WeightEma(task.trainable_variables, 0.0)  # reads averages only: the decay is not used

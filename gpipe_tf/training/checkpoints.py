@@ -247,7 +247,7 @@ def model_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
     extra = sorted(set(saved) - set(own))
     missing = sorted(set(own) - set(saved))
     reshaped = sorted(n for n in set(own) & set(saved) if own[n] != saved[n])
-    parts = [f"{what} {_listed(names)}" for what, names in (
+    parts = [f"{what} {listed(names)}" for what, names in (
         ("it holds model variables this model lacks:", extra), ("it lacks", missing),
         ("other shapes:", reshaped)) if names]
     if not parts:
@@ -257,7 +257,8 @@ def model_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
     return "; ".join(parts) + (f"; {run_params} names its model {model}" if model else "")
 
 
-def _listed(names: list[str], shown: int = 3) -> str:
+def listed(names: list[str], shown: int = 3) -> str:
+    """The first `shown` of `names`, comma-separated, and how many more there are: names in a one-line message."""
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 

@@ -107,8 +107,7 @@ def plan(variables: Sequence[tf.Variable], source: dict[str, tuple[str, list[int
 
 
 def _listed(items: list[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+    return checkpoints.listed(items, _SHOWN)
 
 
 def describe(result: InitPlan, path: str, total: int) -> list[str]:

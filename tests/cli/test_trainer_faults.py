@@ -24,14 +24,11 @@ from gpipe_tf.training import checkpoints, learner, lr_schedules, run_seed
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
 from tests.helpers.paths import ROOT
+from tests.helpers.trainer_errors import one_error_line
 
 M = "toy.classifier.BlobsMlp"
 G = "toy.classifier.BlobsMlpGPipe"
 EVERY_10 = "train.save_interval_steps=10,train.max_checkpoints_to_keep=10"
-# TensorFlow's C++ start-up lines, printed before absl logging is initialized whatever TF_CPP_MIN_LOG_LEVEL says.
-_TF_START_UP = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|[IWE]0000 00:00:\S+ +\d+ "
-                          r"(port|cudart_stub|cuda_platform|cpu_feature_guard)\.cc:|To enable the following "
-                          r"instructions:)")
 
 
 def trainer(*args, model=M, code=None):
@@ -41,13 +38,7 @@ def trainer(*args, model=M, code=None):
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def only_line(result, code=2):
-    """The one line a failing trainer printed on stderr besides TensorFlow's start-up lines."""
-    assert result.returncode == code, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.strip() and not _TF_START_UP.match(line)]
-    assert len(lines) == 1, "\n".join(lines[:40])
-    assert lines[0].startswith("trainer.py: error: "), lines[0]
-    return lines[0]
+
 
 
 def ckpt(logdir, step):
@@ -88,19 +79,19 @@ def m_copy(runs, tmp_path):
 
 def test_another_models_checkpoint_is_refused_in_one_line_either_way(runs, tmp_path):
     # M's variables are a part of G's (2 of its 3 hidden layers): TensorFlow's matching alone let M evaluate it.
-    line = only_line(trainer(f"--logdir={tmp_path / 'e1'}", "--mode=eval", f"--checkpoint={runs['g']}"))
+    line = one_error_line(trainer(f"--logdir={tmp_path / 'e1'}", "--mode=eval", f"--checkpoint={runs['g']}"))
     assert f"--checkpoint: checkpoint {ckpt(runs['g'], 5)} does not match this model" in line
     assert "classifier/network/fc2/w" in line and f"names its model {G}" in line
     # G on M's checkpoint: refused before, but with one warning line per unrestored value after the error.
-    line = only_line(trainer(f"--logdir={tmp_path / 'e2'}", "--mode=eval", f"--checkpoint={runs['m']}", model=G))
+    line = one_error_line(trainer(f"--logdir={tmp_path / 'e2'}", "--mode=eval", f"--checkpoint={runs['m']}", model=G))
     assert "does not match this model (it lacks classifier/network/fc2/b" in line
     assert not os.path.exists(tmp_path / "e1") and not os.path.exists(tmp_path / "e2")
 
 
 def test_missing_gin_file_and_max_steps_beyond_int64_are_one_line(tmp_path):
-    line = only_line(trainer(f"--logdir={tmp_path / 'r'}", "--gin_file=nope.gin"))
+    line = one_error_line(trainer(f"--logdir={tmp_path / 'r'}", "--gin_file=nope.gin"))
     assert line == f"trainer.py: error: --gin_file='nope.gin': no such file (relative to {ROOT}); check the path"
-    line = only_line(trainer(f"--max_steps={2 ** 63}", "--mode=inspect_params"))
+    line = one_error_line(trainer(f"--max_steps={2 ** 63}", "--mode=inspect_params"))
     assert f"--max_steps={2 ** 63}: {2 ** 63} is not an integer in the range [1, {2 ** 63 - 1}]" in line
     assert not os.path.exists(tmp_path / "r")
 
@@ -114,7 +105,7 @@ def test_train_max_steps_beyond_int64_is_refused():
 def test_init_from_rules_that_copy_nothing_and_an_unreadable_source_are_refused_before_the_logdir(runs, tmp_path):
     new = tmp_path / "new"
     rules = "[('nomatch/(.*)', '\\\\1')]"
-    line = only_line(trainer(f"--logdir={new}", "--max_steps=3",
+    line = one_error_line(trainer(f"--logdir={new}", "--max_steps=3",
                              f"--params=train.init_from.checkpoint={runs['m']},train.init_from.rules={rules}"))
     assert (f"train.init_from copies none of this model's 6 variables from {ckpt(runs['m'], 20)} "
             "(rules=[('nomatch/(.*)', '\\\\1')], ignore=[]; ") in line
@@ -124,7 +115,7 @@ def test_init_from_rules_that_copy_nothing_and_an_unreadable_source_are_refused_
     shutil.copytree(runs["m"], damaged)
     with open(ckpt(damaged, 20) + ".index", "r+b") as f:
         f.truncate(10)
-    line = only_line(trainer(f"--logdir={new}", "--max_steps=3",
+    line = one_error_line(trainer(f"--logdir={new}", "--max_steps=3",
                              f"--params=train.init_from.checkpoint={ckpt(damaged, 20)}"))
     assert f"train.init_from.checkpoint: checkpoint {ckpt(damaged, 20)} cannot be read" in line
     assert not os.path.exists(new)  # a rejected source leaves no (empty) logdir behind
@@ -229,6 +220,7 @@ def test_runs_with_the_same_seed_match_and_another_seed_differs_even_without_dro
 def test_sigint_during_the_compile_is_one_line_and_writes_no_checkpoint(tmp_path):
     # The hook sends SIGINT from inside the tracing of the train step: the compile, deterministically.
     code = (f"import os, signal, sys; sys.path.insert(0, {ROOT!r}); sys.argv[0] = 'trainer.py'; import trainer\n"
+            "from gpipe_tf import tf_startup; tf_startup.start_tensorflow()  # as the trainer starts TensorFlow\n"
             "from gpipe_tf.training import controller, learner\n"
             "class Interrupted(learner.Learner):\n"
             "    def _train_step(self, *args, **kwargs):\n"
@@ -237,7 +229,7 @@ def test_sigint_during_the_compile_is_one_line_and_writes_no_checkpoint(tmp_path
             "controller.Learner = Interrupted\n"
             "trainer.run()\n")
     logdir = tmp_path / "run"
-    line = only_line(trainer(f"--logdir={logdir}", "--max_steps=5", code=code), code=130)
+    line = one_error_line(trainer(f"--logdir={logdir}", "--max_steps=5", code=code), code=130)
     assert line.startswith("trainer.py: error: interrupted (SIGINT) before the training loop started")
     assert not os.path.exists(logdir / "checkpoints")
 
@@ -249,7 +241,7 @@ def test_skipped_steps_are_counted_and_a_run_of_only_skipped_steps_fails(tmp_pat
                      f"--params={nonfinite},train.max_consecutive_skipped_steps=100")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done: step 4/4, 4 steps, 4 of them skipped as non-finite (train.skip_nonfinite_steps)" in result.stdout
-    line = only_line(trainer(f"--logdir={tmp_path / 'b'}", "--max_steps=30", f"--params={nonfinite}"), code=1)
+    line = one_error_line(trainer(f"--logdir={tmp_path / 'b'}", "--max_steps=30", f"--params={nonfinite}"), code=1)
     assert ("steps 1-10 were all non-finite and skipped (train.max_consecutive_skipped_steps=10; 10 of the 10 steps "
             "of this run skipped)") in line
     assert "no checkpoint is the last good state" in line
@@ -267,7 +259,7 @@ def test_a_checkpoint_of_huge_finite_weights_is_moved_aside_and_the_rerun_resume
     controller._save(30)
     assert np.isfinite(tf.train.load_checkpoint(ckpt(m_copy, 30)).get_tensor(
         "task/network/children/layer_0/vars/w/.ATTRIBUTES/VARIABLE_VALUE")).all()
-    line = only_line(trainer(f"--logdir={m_copy}", "--max_steps=40", f"--params={EVERY_10}"), code=1)
+    line = one_error_line(trainer(f"--logdir={m_copy}", "--max_steps=40", f"--params={EVERY_10}"), code=1)
     moved = os.path.join(m_copy, "checkpoints", "nonfinite")
     assert f"so {ckpt(m_copy, 20)} ({ckpt(m_copy, 30)} gave non-finite steps from its own weights on 2 batches" in line
     assert sorted(os.listdir(moved)) == ["ckpt-30.data-00000-of-00001", "ckpt-30.index"]

@@ -2,9 +2,14 @@
 printed change gives a measured peak under the budget. Each stage is measured alone in a fresh process with TF's BFC
 allocator (`bench.memory_check`)."""
 
+import pytest
+
 from bench import memory_check
 from gpipe_tf import experiment
 from gpipe_tf.memory import plan, suggest
+
+# Every case starts measuring processes through bench.memory_check, which tests/conftest.py cannot see from here.
+pytestmark = pytest.mark.slow
 
 # Three of bench.memory_check's validated configurations (predicted within 11% of measured there): the MLP at
 # K=1 and at K=2, the Transformer stack with remat.

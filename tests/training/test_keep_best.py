@@ -51,8 +51,10 @@ def task_tensors(path):
                                                       ("test/accuracy", "test", "accuracy", "min")])
 def test_best_checkpoint_is_the_best_evaluation_and_survives_a_resume(tmp_path, metric, dataset, name, mode):
     logdir = str(tmp_path)
+    printed = []  # the console lines of both runs
     for max_steps in (20, 35):
         lines = train_and_eval(logdir, params(max_steps, metric, mode))
+        printed += lines
         step, value = best_of(logdir, dataset, name, mode)
         with open(os.path.join(logdir, "best", "best.json"), encoding="utf-8") as f:
             record = json.load(f)
@@ -64,8 +66,8 @@ def test_best_checkpoint_is_the_best_evaluation_and_survives_a_resume(tmp_path, 
         assert best.keys() == same_step.keys() and len(best) == 6
         for n in best:
             np.testing.assert_array_equal(best[n], same_step[n])
-        if step > 20 and max_steps == 35:
-            assert any(line.startswith(f"best {dataset}/{name}=") and f"at step {step}:" in line for line in lines)
+        # The run that found the best evaluation said so, whichever of the two it was.
+        assert any(line.startswith(f"best {dataset}/{name}=") and f"at step {step}:" in line for line in printed)
     # --checkpoint=LOGDIR/best evaluates it.
     by_step = Controller(params(35, metric, mode), logdir, log=lambda line: None).evaluate(
         chosen=os.path.join(logdir, "best"))

@@ -50,7 +50,8 @@ flags.DEFINE_string("logdir", None, "Run directory: params, checkpoints and Tens
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 flags.DEFINE_integer("max_steps", None, "Train up to this global step (overrides train.max_steps).", lower_bound=1,
                      upper_bound=2 ** 63 - 1)
-flags.DEFINE_string("params", "", "Dotted Params overrides, e.g. 'train.learning_rate=0.1,train.seed=3'.")
+flags.DEFINE_multi_string("params", [], "Dotted Params overrides, e.g. 'train.learning_rate=0.1,train.seed=3'; "
+                          "may be repeated, later flags win.")
 flags.DEFINE_multi_string("gin_file", [], "Gin files binding experiment knobs.")
 flags.DEFINE_multi_string("gin_param", [], "Gin bindings, e.g. 'BlobsMlp.hidden_dims=(128, 128)'.")
 flags.DEFINE_integer("logical_devices", None, "Split the CPU into this many logical devices before TF starts "
@@ -115,7 +116,7 @@ def _main(argv: list[str]) -> None:
     if not FLAGS.model:
         _fail("--model is required; run with --list_models to see the registered keys")
     overrides = ",".join(part for part in (
-        FLAGS.params, None if FLAGS.max_steps is None else f"train.max_steps={FLAGS.max_steps}",
+        *FLAGS.params, None if FLAGS.max_steps is None else f"train.max_steps={FLAGS.max_steps}",
         None if FLAGS.num_replicas is None else f"train.num_replicas={FLAGS.num_replicas}") if part)
     resolved = experiment.resolve(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
     params, gin_config = resolved.params, resolved.operative_config

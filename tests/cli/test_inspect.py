@@ -70,8 +70,15 @@ def test_device_memory_plan_and_suggestion():
     assert "memory per device (predicted; schedule fill_drain" in out, out
     assert "does NOT fit: 1 of 2 devices exceed 4.0 MiB" in out, out
     # 1F1B holds K - k = 2 and 1 micro-batches instead of 4: the first candidate, and it fits.
-    assert ("smallest change that fits with 15% headroom: schedule 1F1B (largest peak " in out
-            and "--params=task.network.schedule.cls=gpipe_tf.gpipe.one_f_one_b.OneForwardOneBackward" in out), out
+    suggestion = "smallest change that fits with 15% headroom: schedule 1F1B (largest peak "
+    override = "--params=task.network.schedule='one_f_one_b'"
+    assert suggestion in out and out.rstrip().endswith(override), out
+    # The suggested override, added as printed, is accepted and makes the plan fit.
+    taken = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED, override,
+                            "--device_memory=4MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert taken.returncode == 0, taken.stderr
+    assert "memory per device (predicted; schedule one_f_one_b" in taken.stdout, taken.stdout
+    assert "fits: every device's peak is within 4.0 MiB" in taken.stdout, taken.stdout
     as_json = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
                               "--device_memory=4MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
                              timeout=300)

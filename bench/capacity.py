@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import os
 import time
-from typing import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -95,21 +94,10 @@ def plan_of(params) -> dict:
     return plan_pipeline(params.task.network, params.train, "task.network", budget)
 
 
-def largest(fits: Callable[[int], bool], low: int, high: int, step: int) -> int | None:
-    """The largest n in [low, high] (multiples of `step`) with fits(n), fits being monotone; None if none fits."""
-    if not fits(low):
-        return None
-    lo, hi = low // step, high // step
-    while fits(hi * step):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
-    return lo * step
-
-
 def run_column(column: Column) -> dict:
     """The planner's largest model for `column` and its figures."""
+    from gpipe_tf.memory.capacity import largest
+
     if column.family == "amoebanet":
         def build(n: int):
             return amoebanet_params(column, n)

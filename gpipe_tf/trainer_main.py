@@ -14,10 +14,11 @@ compile) prints one line and exits with 130, having written no checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from absl import app, flags, logging
 
@@ -69,8 +70,16 @@ flags.DEFINE_bool("quiet", False, "No progress lines (warnings, errors and resul
 flags.DEFINE_string("profile_steps", None, "START,END: capture a TF profiler trace of those steps into the logdir "
                     "(TensorBoard's Profile tab; pip install -e '.[profile]').")
 flags.DEFINE_bool("json", False, "--mode=inspect: print one JSON object.")
-flags.DEFINE_string("device_memory", None, "--mode=inspect: memory per device, e.g. 16GiB, 8GB, 512MiB "
-                    "(docs/memory.md): whether each pipeline device fits and, if not, the smallest change that does.")
+flags.DEFINE_string("device_memory", None, "Memory per device, e.g. 16GiB, 8GB, 512MiB (docs/memory.md). "
+                    "--mode=inspect: whether each pipeline device fits and, if not, the smallest change that does; "
+                    "training: a warning before the first step when the plan does not fit, and the budget of the "
+                    "suggestion printed if a device runs out of memory.")
+flags.DEFINE_string("capacity", None, "--mode=inspect with --device_memory: the largest value of this integer "
+                    "knob of the experiment (e.g. num_layers, filters) that fits, for K = 1, 2, 4, ... stages.")
+flags.DEFINE_integer("capacity_devices", None, "--capacity: the most stages (devices) to try (default: the "
+                     "experiment's K).", lower_bound=1)
+flags.DEFINE_integer("capacity_step", 1, "--capacity: try multiples of this (e.g. 8 for AmoebaNet's filters, "
+                     "whose every cell width must be even).", lower_bound=1)
 flags.DEFINE_integer("num_replicas", None, "Data-parallel pipeline replicas in this process (overrides "
                      "train.num_replicas); replica r's stage k runs on device r*K+k.", lower_bound=1)
 flags.DEFINE_list("worker_hosts", [], "Multi-worker data parallelism: host:port of every trainer process, the chief "
@@ -131,6 +140,36 @@ def _main(argv: list[str]) -> None:
     if FLAGS.mode == "inspect":
         _inspect(params, overrides)
         return
+    from gpipe_tf.memory.sizes import parse_bytes
+    budget = None if FLAGS.device_memory is None else parse_bytes(FLAGS.device_memory)  # a bad size fails first
+    with _out_of_memory_as_one_line(params, budget):
+        _run_job(params, resolved, gin_config, budget)
+
+
+@contextlib.contextmanager
+def _out_of_memory_as_one_line(params: Params, budget: int | None) -> Iterator[None]:
+    """A device that runs out of memory ends the run with one line (device, stage, predicted peak, the change that
+    fits: `memory.out_of_memory`) instead of TensorFlow's traceback; checkpoints already written stay."""
+    import tensorflow as tf
+
+    from gpipe_tf import errors
+
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is (or wraps) TensorFlow's out-of-memory error
+        from gpipe_tf.memory import out_of_memory
+        oom = errors.find_in_chain(e, (tf.errors.ResourceExhaustedError,))
+        if oom is None:  # a folded constant its allocator could not hold: an InvalidArgumentError naming its proto
+            bad = errors.find_in_chain(e, (tf.errors.InvalidArgumentError,))
+            oom = bad if bad is not None and out_of_memory.parse_constant(bad.message) else None
+        if oom is None:
+            raise
+        raise errors.TrainingError(out_of_memory.explain(oom.message, params, budget, FLAGS.device_memory or "")) \
+            from e
+
+
+def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None) -> None:
+    """Every mode that builds the model: train, train_and_eval, eval, export and decode."""
     if not FLAGS.logdir:
         _fail(f"--logdir is required for --mode={FLAGS.mode}")
     if FLAGS.checkpoint and FLAGS.mode not in _CHECKPOINT_MODES:
@@ -160,6 +199,8 @@ def _main(argv: list[str]) -> None:
             _LOCKS[-1].acquire()
             logdir_lib.check_compatible(FLAGS.logdir, params, training=True)  # again: now no other trainer writes
         controller.restore()  # raises, having written nothing, if checkpoints exist and none restores
+        if budget is not None and layout.is_chief:
+            _warn_if_plan_exceeds(params, budget)
         if layout.is_chief:
             _LOCKS[-1].record_holder()
             # Before params.txt is replaced: it holds the M the checkpoints were trained with.
@@ -184,6 +225,30 @@ def _main(argv: list[str]) -> None:
                        progress_log=(lambda line: None) if FLAGS.quiet else _print)
 
 
+def _warn_if_plan_exceeds(params: Params, budget: int) -> None:
+    """Training with --device_memory: one warning line per pipeline whose predicted peak exceeds the budget."""
+    from gpipe_tf.errors import ConfigError
+    from gpipe_tf.inspection import find_pipelines
+    from gpipe_tf.memory import suggest
+    from gpipe_tf.memory.plan import plan_pipeline
+    from gpipe_tf.memory.sizes import human
+
+    for path, pipe in find_pipelines(params.task):
+        try:
+            plan = plan_pipeline(pipe, params.train, path, budget)
+        except ConfigError as e:
+            _print(f"warning: --device_memory={FLAGS.device_memory}: {path} cannot be planned ({e})")
+            continue
+        if plan["fits"]:
+            continue
+        over = [str(d["device"]) for d in plan["devices"] if not d["fits"]]
+        hint = suggest.suggest(pipe, params.train, budget, path)
+        fix = (f"; smallest change that fits: {hint['change']} (--params={hint['params']})" if hint
+               else "; no single change or pair of changes fits: more devices or a smaller model")
+        _print(f"warning: the planner predicts {path} needs {human(plan['max_peak'])} on device(s) "
+               f"{', '.join(over)}, more than --device_memory={FLAGS.device_memory}{fix}")
+
+
 def _inspect(params: Params, overrides: str) -> None:
     """--mode=inspect: the report on stdout; progress lines (what is planned, how long it took) on stderr."""
     import time
@@ -202,10 +267,29 @@ def _inspect(params: Params, overrides: str) -> None:
         print(f"inspecting {params.model} from its Params ({shape}) ...", file=sys.stderr, flush=True)
     report = inspection.inspect(params, overrides={"gin_file": FLAGS.gin_file, "gin_param": FLAGS.gin_param,
                                                 "params": overrides}, device_memory=budget)
-    print(json.dumps(report) if FLAGS.json else inspection.format_report(report), flush=True)
+    if FLAGS.capacity:
+        report["capacity"] = _capacity(params, overrides, budget, pipelines)
+    text = inspection.format_report(report)
+    if FLAGS.capacity:
+        from gpipe_tf.memory.capacity import format_capacity
+        text += "\n" + format_capacity(params.model, FLAGS.capacity, FLAGS.device_memory, report["capacity"])
+    print(json.dumps(report) if FLAGS.json else text, flush=True)
     if not FLAGS.quiet:
         print(f"inspect done in {progress.format_duration(time.perf_counter() - start)}", file=sys.stderr,
               flush=True)
+
+
+def _capacity(params: Params, overrides: str, budget: int | None, pipelines: list) -> list[dict[str, Any]]:
+    """--capacity=KNOB: the largest KNOB that fits --device_memory for each K up to --capacity_devices."""
+    from gpipe_tf.memory.capacity import capacity
+
+    if budget is None:
+        _fail(f"--capacity={FLAGS.capacity} needs --device_memory (the memory of one device), e.g. "
+              "--device_memory=16GiB")
+    devices = FLAGS.capacity_devices or max([p.num_stages for _, p in pipelines] or [1])
+    log = None if FLAGS.quiet else (lambda line: print(f"capacity: {line}", file=sys.stderr, flush=True))
+    return capacity(params.model, FLAGS.capacity, budget, devices, gin_bindings=FLAGS.gin_param,
+                    overrides=overrides, step=FLAGS.capacity_step, progress=log, gin_files=FLAGS.gin_file)
 
 
 def _replica_layout(params: Params) -> ReplicaLayout:

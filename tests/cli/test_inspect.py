@@ -134,3 +134,26 @@ def test_unestimable_layer_is_one_line_exit_2(tmp_path):
     result = subprocess.run(args[:-1], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert "note: activations and memory '-': memory plan: layer_0 (OpaqueLinear)" in result.stdout, result.stdout
+
+
+def test_capacity_table_per_stage_count():
+    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                             "--device_memory=4MiB", "--capacity=num_layers", "--capacity_devices=4", "--json"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["capacity"]
+    assert [r["num_stages"] for r in rows] == [1, 2, 4] and all(r["value"] for r in rows), rows
+    assert "capacity: K=4: num_layers=" in result.stderr, result.stderr
+    text = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                           "--device_memory=4MiB", "--capacity=num_layers", "--capacity_devices=4", "--quiet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stderr
+    table = text.stdout.splitlines()[-4:]
+    assert table[0].split() == ["K", "num_layers", "params", "largest", "peak", "note"], text.stdout
+    assert [line.split()[:2] for line in table[1:]] == [[str(r["num_stages"]), f"{r['value']:,}"] for r in rows]
+
+
+def test_capacity_needs_device_memory():
+    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                             "--capacity=num_layers"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert_user_error(result, "--capacity=num_layers needs --device_memory", "--device_memory=16GiB")

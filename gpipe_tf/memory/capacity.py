@@ -1,0 +1,129 @@
+"""The largest model that fits: for each number of pipeline stages K, the largest value of one integer knob of an
+experiment (AmoebaNet-D's filters or cells per stack, a Transformer's layers) whose memory plan fits every device.
+
+The planner (`plan.plan_pipeline`) is asked by bisection, so a search over a thousand-layer range plans about ten
+models per K; a model grows monotonically with the knob, so the first value that does not fit bounds the search.
+The experiment is resolved as the trainer resolves it (gin bindings, then dotted overrides), with the knob and
+`num_stages` bound as gin knobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from gpipe_tf.errors import ConfigError
+
+
+def largest(fits: Callable[[int], bool], low: int, high: int, step: int = 1) -> int | None:
+    """The largest n >= low (a multiple of `step`) with fits(n), fits being monotone (true up to some n, then
+    false); `high` is the first guess of the upper end, doubled while it still fits. None if `low` does not fit."""
+    if not fits(low):
+        return None
+    lo, hi = low // step, max(high // step, low // step + 1)
+    while fits(hi * step):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+def stage_counts(max_devices: int) -> list[int]:
+    """1, 2, 4, ... up to `max_devices`, and `max_devices` itself."""
+    if max_devices < 1:
+        raise ConfigError(f"capacity: {max_devices} devices; give at least 1")
+    counts = [1]
+    while counts[-1] * 2 <= max_devices:
+        counts.append(counts[-1] * 2)
+    return counts if counts[-1] == max_devices else counts + [max_devices]
+
+
+def _check_knob(model: str, knob: str) -> int:
+    """The default of integer knob `knob` of registered `model`; ConfigError naming the integer knobs otherwise."""
+    from gpipe_tf import model_registry
+
+    knobs = model_registry.get(model).knobs()
+    integers = sorted(name for name, value in knobs.items() if isinstance(value, int) and not isinstance(value, bool)
+                      and name != "num_stages")
+    if knob not in integers or "num_stages" not in knobs:
+        if "num_stages" not in knobs:
+            raise ConfigError(f"capacity: {model} has no num_stages knob, so K cannot be varied; pick a pipelined "
+                              "experiment")
+        raise ConfigError(f"capacity: {knob!r} is not an integer knob of {model}; grow one of: "
+                          f"{', '.join(integers)}")
+    return knobs[knob]
+
+
+def plan_with(model: str, knob: str, value: int, num_stages: int, device_memory: int,
+              gin_bindings: Sequence[str] = (), overrides: str = "", gin_files: Sequence[str] = ()) -> dict[str, Any]:
+    """The memory plan of `model` with `knob`=`value` on `num_stages` stages against `device_memory`, plus
+    "params" (its parameter count). Raises ConfigError when it has no pipeline or cannot be planned."""
+    from gpipe_tf import experiment
+    from gpipe_tf.inspection import count_params, find_pipelines
+    from gpipe_tf.memory.plan import plan_pipeline
+
+    params, _ = experiment.resolve_params(
+        model, gin_files=gin_files, gin_bindings=[*gin_bindings, f"{model}.{knob}={value}", f"{model}.num_stages={num_stages}"],
+        overrides=overrides)
+    pipelines = find_pipelines(params.task)
+    if not pipelines:
+        raise ConfigError(f"capacity: {model} with num_stages={num_stages} builds no pipeline to plan (an experiment "
+                          "may build a plain stack for one stage and one micro-batch); start at 2 stages or give "
+                          "it more micro-batches")
+    path, pipe = pipelines[0]
+    plan = plan_pipeline(pipe, params.train, path, device_memory)
+    plan["params"] = count_params(params.task)
+    return plan
+
+
+def capacity(model: str, knob: str, device_memory: int, max_devices: int, gin_bindings: Sequence[str] = (),
+             overrides: str = "", step: int = 1, progress: Callable[[str], None] | None = None,
+             gin_files: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """For each K of `stage_counts(max_devices)`: {"num_stages", "value" (the largest knob value that fits, None if
+    even `step` does not), "params", "max_peak", "note"}. A K whose model cannot be planned has value None and a
+    note saying why."""
+    from gpipe_tf.hyperparams import ParamsError
+
+    default = _check_knob(model, knob)
+    rows = []
+    for k in stage_counts(max_devices):
+        def fits(value: int, k: int = k) -> bool:
+            return bool(plan_with(model, knob, value, k, device_memory, gin_bindings, overrides, gin_files)["fits"])
+
+        row: dict[str, Any] = {"num_stages": k, "value": None, "params": None, "max_peak": None, "note": ""}
+        # The smallest value K stages can split (a model of 2 layers has no 4-stage split): doubled from `step`.
+        low, error = step, None
+        while low <= max(default, step) * 2 ** 10:
+            try:
+                fits(low)
+                error = None
+                break
+            except (ConfigError, ParamsError, ValueError) as e:
+                low, error = low * 2, e
+        if error is not None:
+            row["note"] = " ".join(str(error).split())
+        else:
+            best = largest(fits, low, max(default, low), step)
+            if best is None:
+                row["note"] = f"{knob}={low} does not fit"
+            else:
+                plan = plan_with(model, knob, best, k, device_memory, gin_bindings, overrides, gin_files)
+                row.update(value=best, params=plan["params"], max_peak=plan["max_peak"])
+        rows.append(row)
+        if progress is not None:
+            progress(f"K={k}: {knob}={row['value']}")
+    return rows
+
+
+def format_capacity(model: str, knob: str, device_memory_text: str, rows: list[dict[str, Any]]) -> str:
+    """The capacity table as text, one row per K."""
+    from gpipe_tf.memory.sizes import human
+
+    lines = [f"largest {knob} of {model} that fits {device_memory_text} per device (memory planner):",
+             f"{'K':>4}  {knob:>16}  {'params':>16}  {'largest peak':>12}  note"]
+    for row in rows:
+        value = "-" if row["value"] is None else f"{row['value']:,}"
+        params = "-" if row["params"] is None else f"{row['params']:,}"
+        peak = "-" if row["max_peak"] is None else human(row["max_peak"])
+        lines.append(f"{row['num_stages']:>4}  {value:>16}  {params:>16}  {peak:>12}  {row['note']}".rstrip())
+    return "\n".join(lines)

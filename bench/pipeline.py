@@ -266,13 +266,16 @@ def memory_worker(quick: bool) -> None:
                               compile_s=None, flops_fraction=None)), flush=True)
 
 
-TIMELINES = [("fill_drain", 2, 4), ("one_f_one_b", 2, 4), ("interleaved", 2, 4), ("zero_bubble", 2, 4)]
+TIMELINE_SCHEDULES = ("fill_drain", "one_f_one_b", "interleaved", "zero_bubble")
+CLOSE_POINTS = 5.0  # prediction and median measurement agree within this many percentage points
 
 
 def timelines(args: argparse.Namespace) -> list[str]:
-    """Profiles one step of each schedule (K=2, M=4, no remat) on faithful devices and writes its measured timeline
-    beside the predicted one (`bench/measured_timeline.py`) as <out>/timeline_<schedule>.png, .txt and .json (the
-    measured cells); returns one line per schedule with the measured and predicted bubble and the bound."""
+    """Profiles `args.traced_steps` steps of each schedule (K=2, M in `args.micro_batches`, no remat) on faithful devices and writes the
+    median step's measured timeline beside its prediction (`bench/measured_timeline.py`) as
+    <out>/timeline_<schedule>_m<M>.png, .txt and .json (the measured cells); returns one line per configuration with
+    the median measured bubble, the predicted one (from the median step's measured costs), their distance in points
+    and the bound."""
     import tensorflow as tf
 
     from bench import measured_timeline
@@ -283,7 +286,7 @@ def timelines(args: argparse.Namespace) -> list[str]:
     lines = []
     with workers.LocalWorkers(2, profiler=True) as cluster:
         devices = workers.connect(cluster.spec)
-        for schedule, k, m in TIMELINES:
+        for schedule, k, m in [(s, 2, m) for s in TIMELINE_SCHEDULES for m in args.micro_batches]:
             step, x, _ = build_step(args.workload, k, m, "never", devices, schedule)
             with tf.device(devices[k - 1]):
                 step(x).numpy()
@@ -295,10 +298,12 @@ def timelines(args: argparse.Namespace) -> list[str]:
                 seconds = statistics.median(times)
                 order = step_order(schedule, k)
                 v = order.virtual_stages
-                measured = measured_timeline.trace_step(cluster.profiler_addresses, lambda: step(x).numpy(),
-                                                        seconds, m, order)
+                traced = sorted((measured_timeline.trace_step(cluster.profiler_addresses, lambda: step(x).numpy(),
+                                                              seconds, m, order) for _ in range(args.traced_steps)),
+                                key=lambda t: t.bubble_fraction)
+            measured = traced[len(traced) // 2]
             predicted = measured_timeline.predicted_from(measured)
-            base = os.path.join(args.out, f"timeline_{schedule}")
+            base = os.path.join(args.out, f"timeline_{schedule}_m{m}")
             with open(base + ".png", "wb") as f:
                 f.write(timeline_pictures.render_comparison_png(predicted, measured))
             with open(base + ".txt", "w", encoding="utf-8") as f:
@@ -307,10 +312,14 @@ def timelines(args: argparse.Namespace) -> list[str]:
                 json.dump(dict(schedule=schedule, k=k, m=m, virtual_stages=v, cells=[
                     dict(row=c.stage, chunk=c.chunk, micro_batch=c.micro_batch, phase=c.phase, start=c.start,
                          end=c.end) for c in measured.cells]), f)
+            points = 100 * abs(measured.bubble_fraction - predicted.bubble_fraction)
+            each = "/".join(f"{t.bubble_fraction:.1%}" for t in traced)
             lines.append(f"{args.workload} {schedule}{f' v={v}' if v > 1 else ''} K={k} M={m}: measured bubble "
-                         f"{measured.bubble_fraction:.1%} (idle incl. transfers {measured.idle_fraction:.1%}) vs "
-                         f"predicted {predicted.bubble_fraction:.1%}, bound {measured.ideal_bubble_fraction():.1%}; "
-                         f"step {seconds:.3f} s; {base}.png")
+                         f"{measured.bubble_fraction:.1%} (median of {each}; idle incl. transfers "
+                         f"{measured.idle_fraction:.1%}) vs predicted {predicted.bubble_fraction:.1%}: "
+                         f"{points:.1f} points apart ({'within' if points <= CLOSE_POINTS else 'NOT within'} "
+                         f"{CLOSE_POINTS:.0f}); bound {measured.ideal_bubble_fraction():.1%}; step {seconds:.3f} s; "
+                         f"{base}.png")
             print(f"# {lines[-1]}", file=sys.stderr)
     return lines
 
@@ -425,9 +434,13 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true", help="memory only (one process, no workers)")
     parser.add_argument("--breakdown", action="store_true", help="only the one-worker step's time by op category "
                         "(matmul, attention, normalization, elementwise, transfer, idle)")
-    parser.add_argument("--timeline", action="store_true", help="only the measured timelines: one profiled step of "
-                        "fill_drain, one_f_one_b and interleaved (v=2) at K=2, M=4 on two workers, drawn beside "
-                        "the predicted ones")
+    parser.add_argument("--timeline", action="store_true", help="only the measured timelines: profiled steps of "
+                        "fill_drain, one_f_one_b, interleaved (v=2) and zero_bubble at K=2 on two workers, drawn "
+                        "beside the predicted ones")
+    parser.add_argument("--micro-batches", type=lambda text: [int(m) for m in text.split(",")], default=[4, 8],
+                        help="--timeline: the values of M, comma-separated (default 4,8)")
+    parser.add_argument("--traced-steps", type=int, default=3,
+                        help="--timeline: traced steps per configuration; the median bubble is reported")
     parser.add_argument("--workload", default="transformer", choices=("transformer", "tiny"),
                         help="the workload of --timeline: workload (a), or a small MLP for a quick look")
     parser.add_argument("--out", default="bench_timelines", help="where --timeline writes its pictures")

@@ -81,17 +81,19 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
     """The real thing on two worker processes and a small MLP: a timing-free check of what the files hold."""
     out = tmp_path / "timelines"
     run = subprocess.run([sys.executable, "-m", "bench.pipeline", "--timeline", "--workload", "tiny", "--out",
-                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          str(out), "--micro-batches", "4", "--traced-steps", "2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if "measured bubble" in line]
-    assert len(lines) == 4 and all("predicted" in line and "bound" in line for line in lines), run.stdout
+    assert len(lines) == 4 and all("predicted" in line and "bound" in line and "points apart" in line
+                                   and " M=4: " in line for line in lines), run.stdout
     for schedule, v in (("fill_drain", 1), ("one_f_one_b", 1), ("interleaved", 2), ("zero_bubble", 1)):
-        cells = json.loads((out / f"timeline_{schedule}.json").read_text())["cells"]
+        cells = json.loads((out / f"timeline_{schedule}_m4.json").read_text())["cells"]
         counted = collections.Counter((c["chunk"] * 2 + c["row"], c["micro_batch"], c["phase"]) for c in cells
                                       if c["phase"] != "T")
         expected = {(s, i, phase) for s in range(2 * v) for i in range(4) for phase in "FB"}
         assert set(counted) == expected and set(counted.values()) == {1}, counted
-        text = (out / f"timeline_{schedule}.txt").read_text()
+        text = (out / f"timeline_{schedule}_m4.txt").read_text()
         assert text.startswith("predicted: ") and "\n\nmeasured: " in text
         measured_rows = [row for row in text.split("\n\nmeasured: ")[1].splitlines()[1:] if "|" in row]
         assert len(measured_rows) == 2
@@ -100,7 +102,7 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
             for i in range(4):  # every micro-batch's forward and backward shows on every row
                 assert f"{i} " in cells_text or f"{i}a" in cells_text, (schedule, row)
                 assert f"{i}'" in cells_text or f"{i}a'" in cells_text or f"{i}b'" in cells_text, (schedule, row)
-        image = tf.io.decode_png((out / f"timeline_{schedule}.png").read_bytes())
+        image = tf.io.decode_png((out / f"timeline_{schedule}_m4.png").read_bytes())
         assert image.shape[0] > 150 and image.shape[1] > 600
 
 

@@ -218,13 +218,16 @@ def test_runs_with_the_same_seed_match_and_another_seed_differs_even_without_dro
 
 
 def test_sigint_during_the_compile_is_one_line_and_writes_no_checkpoint(tmp_path):
-    # The hook sends SIGINT from inside the tracing of the train step: the compile, deterministically.
-    code = (f"import os, signal, sys; sys.path.insert(0, {ROOT!r}); sys.argv[0] = 'trainer.py'; import trainer\n"
+    # The hook raises SIGINT from inside the tracing of the train step: the compile, deterministically
+    # (signal.raise_signal delivers it to the calling thread and runs Python's handler before it returns; os.kill
+    # lets the kernel hand a process-wide signal to any of TensorFlow's threads, so a busy machine could delay it
+    # past the start of the training loop).
+    code = (f"import signal, sys; sys.path.insert(0, {ROOT!r}); sys.argv[0] = 'trainer.py'; import trainer\n"
             "from gpipe_tf import tf_startup; tf_startup.start_tensorflow()  # as the trainer starts TensorFlow\n"
             "from gpipe_tf.training import controller, learner\n"
             "class Interrupted(learner.Learner):\n"
             "    def _train_step(self, *args, **kwargs):\n"
-            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        signal.raise_signal(signal.SIGINT)\n"
             "        return super()._train_step(*args, **kwargs)\n"
             "controller.Learner = Interrupted\n"
             "trainer.run()\n")

@@ -149,9 +149,9 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         compile_ms = [4, 8, 16, 32]
     configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
     if not args.compare:
-        # The schedules beyond fill-drain (issue 12): 1F1B at K=2, M=8 and interleaved v=2 at K=2, M=4.
-        configs += [("transformer", 2, 8, "never", "one_f_one_b"), ("transformer", 2, 4, "never", "fill_drain"),
-                    ("transformer", 2, 4, "never", "interleaved")]
+        # The schedules beyond fill-drain: 1F1B and ZeroBubble (ZB-H1) at K=2, M=8, interleaved v=2 at K=2, M=4.
+        configs += [("transformer", 2, 8, "never", "one_f_one_b"), ("transformer", 2, 8, "never", "zero_bubble"),
+                    ("transformer", 2, 4, "never", "fill_drain"), ("transformer", 2, 4, "never", "interleaved")]
     rows = []
     traced_lines = []
     with workers.LocalWorkers(2, profiler=True) as cluster:
@@ -250,8 +250,8 @@ def memory_worker(quick: bool) -> None:
     devices = devices_lib.split_cpu(4)
     # All M even when quick: one process, seconds each, and "non-increasing in M" needs more than one point.
     configs = [(2, 1, "never", "fill_drain")] + [(2, m, "always", "fill_drain") for m in (2, 4, 8)]
-    # 1F1B against fill-drain where fill-drain keeps the most: K=4, M=16, no remat.
-    configs += [(4, 16, "never", "fill_drain"), (4, 16, "never", "one_f_one_b")]
+    # 1F1B and ZeroBubble against fill-drain where fill-drain keeps the most: K=4, M=16, no remat.
+    configs += [(4, 16, "never", schedule) for schedule in ("fill_drain", "one_f_one_b", "zero_bubble")]
     for k, m, remat, schedule in configs:
         step, x, _ = build_step("mlp", k, m, remat, devices, schedule)
         step(x).numpy()
@@ -271,8 +271,8 @@ CLOSE_POINTS = 5.0  # prediction and median measurement agree within this many p
 
 
 def timelines(args: argparse.Namespace) -> list[str]:
-    """Profiles `args.traced_steps` steps of each schedule (K=2, M in `args.micro_batches`, no remat) on faithful devices and writes the
-    median step's measured timeline beside its prediction (`bench/measured_timeline.py`) as
+    """Profiles `args.traced_steps` steps of each schedule (K=2, M in `args.micro_batches`, no remat) on faithful
+    devices and writes the median step's measured timeline beside its prediction (`bench/measured_timeline.py`) as
     <out>/timeline_<schedule>_m<M>.png, .txt and .json (the measured cells); returns one line per configuration with
     the median measured bubble, the predicted one (from the median step's measured costs), their distance in points
     and the bound."""

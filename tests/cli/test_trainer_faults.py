@@ -218,11 +218,12 @@ def test_runs_with_the_same_seed_match_and_another_seed_differs_even_without_dro
 
 
 def test_sigint_during_the_compile_is_one_line_and_writes_no_checkpoint(tmp_path):
-    # The hook raises SIGINT from inside the tracing of the train step: the compile, deterministically
-    # (signal.raise_signal delivers it to the calling thread and runs Python's handler before it returns; os.kill
-    # lets the kernel hand a process-wide signal to any of TensorFlow's threads, so a busy machine could delay it
-    # past the start of the training loop).
+    # The hook raises SIGINT from inside the tracing of the train step: the compile, deterministically. The
+    # program first gives SIGINT Python's default handler, as a terminal's foreground job has it: a test run
+    # started in the background of a non-interactive shell (nohup ... &) inherits SIGINT ignored, and an ignored
+    # SIGINT never interrupts anything.
     code = (f"import signal, sys; sys.path.insert(0, {ROOT!r}); sys.argv[0] = 'trainer.py'; import trainer\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from gpipe_tf import tf_startup; tf_startup.start_tensorflow()  # as the trainer starts TensorFlow\n"
             "from gpipe_tf.training import controller, learner\n"
             "class Interrupted(learner.Learner):\n"

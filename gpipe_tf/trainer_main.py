@@ -150,22 +150,16 @@ def _main(argv: list[str]) -> None:
 def _out_of_memory_as_one_line(params: Params, budget: int | None) -> Iterator[None]:
     """A device that runs out of memory ends the run with one line (device, stage, predicted peak, the change that
     fits: `memory.out_of_memory`) instead of TensorFlow's traceback; checkpoints already written stay."""
-    import tensorflow as tf
-
-    from gpipe_tf import errors
+    from gpipe_tf.errors import TrainingError
+    from gpipe_tf.memory import out_of_memory
 
     try:
         yield
     except Exception as e:  # noqa: BLE001 - re-raised unless it is (or wraps) TensorFlow's out-of-memory error
-        from gpipe_tf.memory import out_of_memory
-        oom = errors.find_in_chain(e, (tf.errors.ResourceExhaustedError,))
-        if oom is None:  # a folded constant its allocator could not hold: an InvalidArgumentError naming its proto
-            bad = errors.find_in_chain(e, (tf.errors.InvalidArgumentError,))
-            oom = bad if bad is not None and out_of_memory.parse_constant(bad.message) else None
-        if oom is None:
+        message = out_of_memory.find_message(e)
+        if message is None:
             raise
-        raise errors.TrainingError(out_of_memory.explain(oom.message, params, budget, FLAGS.device_memory or "")) \
-            from e
+        raise TrainingError(out_of_memory.explain(message, params, budget, FLAGS.device_memory or "")) from e
 
 
 def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None) -> None:
@@ -200,7 +194,9 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
             logdir_lib.check_compatible(FLAGS.logdir, params, training=True)  # again: now no other trainer writes
         controller.restore()  # raises, having written nothing, if checkpoints exist and none restores
         if budget is not None and layout.is_chief:
-            _warn_if_plan_exceeds(params, budget)
+            from gpipe_tf.memory import out_of_memory
+            for warning in out_of_memory.plan_warnings(params, budget, FLAGS.device_memory):
+                _print(warning)
         if layout.is_chief:
             _LOCKS[-1].record_holder()
             # Before params.txt is replaced: it holds the M the checkpoints were trained with.
@@ -223,30 +219,6 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
         logdir_lib.check_compatible(FLAGS.logdir, params)
         decoder.decode(params.task.instantiate(), params, FLAGS.logdir, _print, checkpoint=FLAGS.checkpoint,
                        progress_log=(lambda line: None) if FLAGS.quiet else _print)
-
-
-def _warn_if_plan_exceeds(params: Params, budget: int) -> None:
-    """Training with --device_memory: one warning line per pipeline whose predicted peak exceeds the budget."""
-    from gpipe_tf.errors import ConfigError
-    from gpipe_tf.inspection import find_pipelines
-    from gpipe_tf.memory import suggest
-    from gpipe_tf.memory.plan import plan_pipeline
-    from gpipe_tf.memory.sizes import human
-
-    for path, pipe in find_pipelines(params.task):
-        try:
-            plan = plan_pipeline(pipe, params.train, path, budget)
-        except ConfigError as e:
-            _print(f"warning: --device_memory={FLAGS.device_memory}: {path} cannot be planned ({e})")
-            continue
-        if plan["fits"]:
-            continue
-        over = [str(d["device"]) for d in plan["devices"] if not d["fits"]]
-        hint = suggest.suggest(pipe, params.train, budget, path)
-        fix = (f"; smallest change that fits: {hint['change']} (--params={hint['params']})" if hint
-               else "; no single change or pair of changes fits: more devices or a smaller model")
-        _print(f"warning: the planner predicts {path} needs {human(plan['max_peak'])} on device(s) "
-               f"{', '.join(over)}, more than --device_memory={FLAGS.device_memory}{fix}")
 
 
 def _inspect(params: Params, overrides: str) -> None:

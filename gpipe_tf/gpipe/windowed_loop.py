@@ -35,7 +35,6 @@ from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule, st
 from gpipe_tf.layers.base_layer import FPropContext
 
 
-
 class WindowedSchedule(Schedule):
     """A schedule run by this loop: a subclass states only its order (`step_order`, with in-flight windows).
 
@@ -54,6 +53,7 @@ class WindowedSchedule(Schedule):
         if not job.training:
             return super().run_with_loss(job, inputs, loss)
         return run(job, inputs, loss, self.step_order(job.plan.num_devices))
+
 
 def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder) -> tuple[dict, dict[str, Any] | None]:
     """Forward, loss and backward of every micro-batch of `job` in one loop ordered by `order` (its stages are

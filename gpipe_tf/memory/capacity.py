@@ -43,12 +43,12 @@ def _check_knob(model: str, knob: str) -> int:
     from gpipe_tf import model_registry
 
     knobs = model_registry.get(model).knobs()
+    if "num_stages" not in knobs:
+        raise ConfigError(f"capacity: {model} has no num_stages knob, so K cannot be varied; pick a pipelined "
+                          "experiment")
     integers = sorted(name for name, value in knobs.items() if isinstance(value, int) and not isinstance(value, bool)
                       and name != "num_stages")
-    if knob not in integers or "num_stages" not in knobs:
-        if "num_stages" not in knobs:
-            raise ConfigError(f"capacity: {model} has no num_stages knob, so K cannot be varied; pick a pipelined "
-                              "experiment")
+    if knob not in integers:
         raise ConfigError(f"capacity: {knob!r} is not an integer knob of {model}; grow one of: "
                           f"{', '.join(integers)}")
     return knobs[knob]
@@ -87,28 +87,31 @@ def capacity(model: str, knob: str, device_memory: int, max_devices: int, gin_bi
     default = _check_knob(model, knob)
     rows = []
     for k in stage_counts(max_devices):
-        def fits(value: int, k: int = k) -> bool:
-            return bool(plan_with(model, knob, value, k, device_memory, gin_bindings, overrides, gin_files)["fits"])
+        plans: dict[int, dict[str, Any]] = {}  # each value is planned once: the search revisits its ends
+
+        def plan(value: int, k: int = k, plans: dict[int, dict[str, Any]] = plans) -> dict[str, Any]:
+            if value not in plans:
+                plans[value] = plan_with(model, knob, value, k, device_memory, gin_bindings, overrides, gin_files)
+            return plans[value]
 
         row: dict[str, Any] = {"num_stages": k, "value": None, "params": None, "max_peak": None, "note": ""}
         # The smallest value K stages can split (a model of 2 layers has no 4-stage split): doubled from `step`.
         low, error = step, None
         while low <= max(default, step) * 2 ** 10:
             try:
-                fits(low)
+                plan(low)
                 error = None
                 break
             except (ConfigError, ParamsError, ValueError) as e:
                 low, error = low * 2, e
+        best = None if error is not None else largest(lambda value: bool(plan(value)["fits"]), low,
+                                                      max(default, low), step)
         if error is not None:
             row["note"] = " ".join(str(error).split())
+        elif best is None:
+            row["note"] = f"{knob}={low} does not fit"
         else:
-            best = largest(fits, low, max(default, low), step)
-            if best is None:
-                row["note"] = f"{knob}={low} does not fit"
-            else:
-                plan = plan_with(model, knob, best, k, device_memory, gin_bindings, overrides, gin_files)
-                row.update(value=best, params=plan["params"], max_peak=plan["max_peak"])
+            row.update(value=best, params=plans[best]["params"], max_peak=plans[best]["max_peak"])
         rows.append(row)
         if progress is not None:
             progress(f"K={k}: {knob}={row['value']}")

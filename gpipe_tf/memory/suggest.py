@@ -77,3 +77,11 @@ def suggest(pipe: InstantiableParams, train: Params, device_memory: int, path: s
             text = ",".join(f"{path}.{key}={value!r}" for _, fields in changes for key, value in fields.items())
             return {"change": " and ".join(d for d, _ in changes), "params": text, "max_peak": plan["max_peak"]}
     return None
+
+
+def describe(hint: dict[str, Any] | None, target: str) -> str:
+    """`suggest`'s result as the end of a one-line message: the change and its --params text, or that none fits
+    `target` (e.g. "--device_memory=16GiB")."""
+    if hint is None:
+        return f"no single change or pair of changes fits {target}: more devices or a smaller model"
+    return f"smallest change that fits {target}: {hint['change']} (--params={hint['params']})"

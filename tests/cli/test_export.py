@@ -244,9 +244,6 @@ def _obeying_permissions():
             raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
 
 
-
-
-
 @pytest.mark.parametrize("where", ["export_dir", "logdir"])
 def test_export_into_a_read_only_directory_is_one_line_naming_it(run_copy, tmp_path, where):
     read_only = str(tmp_path / "read_only") if where == "export_dir" else run_copy

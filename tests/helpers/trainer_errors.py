@@ -32,3 +32,13 @@ def file_size_limit(limit: int) -> Callable[[], None]:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     return apply
+
+
+def address_space_limit(limit: int) -> Callable[[], None]:
+    """A `preexec_fn` that caps the child's address space at `limit` bytes (RLIMIT_AS), so a larger allocation fails
+    at once whatever the machine's memory and overcommit policy."""
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply

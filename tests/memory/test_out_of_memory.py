@@ -7,7 +7,6 @@ whose address space is capped at 16 GiB, so the allocator fails at once on any m
 """
 
 import os
-import resource
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import textwrap
 import pytest
 
 from tests.helpers.paths import ROOT
-from tests.helpers.trainer_errors import one_error_line
+from tests.helpers.trainer_errors import address_space_limit, one_error_line
 
 # TensorFlow's own message for an allocation that failed on a stage's device (from a real run).
 REAL_MESSAGE = ("OOM when allocating tensor with shape[16384,1048576] and type float on "
@@ -85,11 +84,6 @@ USER_MODULE = textwrap.dedent('''\
     ''')
 
 
-def cap_address_space() -> None:
-    """preexec_fn: at most 16 GiB of address space, so a 64 GiB allocation fails whatever the overcommit policy."""
-    resource.setrlimit(resource.RLIMIT_AS, (16 * 2 ** 30, 16 * 2 ** 30))
-
-
 def test_explain_names_the_stage_of_the_device_and_a_change():
     from gpipe_tf import experiment
     from gpipe_tf.memory import out_of_memory
@@ -97,7 +91,7 @@ def test_explain_names_the_stage_of_the_device_and_a_change():
     params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe")
     line = out_of_memory.explain(REAL_MESSAGE, params)
     assert line.startswith("out of memory on /job:localhost/replica:0/task:0/device:CPU:1 while allocating a "
-                           "float tensor [16384x1048576], 64.0 GiB (task.network stage 1 of 2); the planner "
+                           "float32 tensor [16384x1048576], 64.0 GiB (task.network stage 1 of 2); the planner "
                            "predicts a peak of "), line
     assert "smallest change that fits 85% of that peak on every device: " in line, line
     assert "(--params=task.network." in line and "give --device_memory=SIZE" in line, line
@@ -108,7 +102,7 @@ def test_explain_names_the_stage_of_the_device_and_a_change():
 
 
 @pytest.mark.parametrize("message, expected", [
-    (REAL_MESSAGE, {"shape": [16384, 1048576], "dtype": "float", "bytes": 2 ** 36,
+    (REAL_MESSAGE, {"shape": [16384, 1048576], "dtype": "float32", "bytes": 2 ** 36,
                     "device": "/job:localhost/replica:0/task:0/device:CPU:1"}),
     ("OOM when allocating tensor with shape[] and type bfloat16 on /device:GPU:0 by allocator GPU_0_bfc",
      {"shape": [], "dtype": "bfloat16", "bytes": 2, "device": "/device:GPU:0"}),
@@ -124,12 +118,12 @@ def test_a_folded_constant_too_large_is_read_with_its_stage():
     from gpipe_tf import experiment
     from gpipe_tf.memory.out_of_memory import explain, parse_constant
 
-    assert parse_constant(CONSTANT_MESSAGE) == {"shape": [2 ** 34], "dtype": "float", "device": None,
+    assert parse_constant(CONSTANT_MESSAGE) == {"shape": [2 ** 34], "dtype": "float32", "device": None,
                                                 "bytes": 2 ** 36, "pipeline": 0, "stage": 1}
     assert parse_constant("Cannot parse the flags") is None
     params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe")
     line = explain(CONSTANT_MESSAGE, params)
-    assert line.startswith("out of memory while creating a float constant [17179869184], 64.0 GiB that TensorFlow "
+    assert line.startswith("out of memory while creating a float32 constant [17179869184], 64.0 GiB that TensorFlow "
                            "folded from a fixed-shape op (reported as 'Cannot parse tensor from proto') "
                            "(task.network stage 1 of 2); the planner predicts a peak of "), line
 
@@ -144,8 +138,8 @@ def test_same_device_matches_short_and_full_names():
 
 
 @pytest.mark.parametrize("ballast, allocation", [
-    ("RuntimeBallast", "on /job:localhost/replica:0/task:0/device:CPU:1 while allocating a float tensor"),
-    ("Ballast", "while creating a float constant"),
+    ("RuntimeBallast", "on /job:localhost/replica:0/task:0/device:CPU:1 while allocating a float32 tensor"),
+    ("Ballast", "while creating a float32 constant"),
 ])
 def test_training_that_runs_out_of_memory_ends_with_one_line(tmp_path, ballast, allocation):
     (tmp_path / "heavyexp.py").write_text(USER_MODULE)
@@ -154,7 +148,7 @@ def test_training_that_runs_out_of_memory_ends_with_one_line(tmp_path, ballast, 
     result = subprocess.run(
         [sys.executable, "trainer.py", "--module=heavyexp", "--model=heavyexp.HeavyMlp", f"--logdir={logdir}",
          f"--gin_param=HeavyMlp.ballast='{ballast}'", "--device_memory=64KiB"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-        preexec_fn=cap_address_space)
+        preexec_fn=address_space_limit(16 * 2 ** 30))
     # Warned before the first step: the planner alone already says 64 KiB is too little.
     assert "warning: the planner predicts task.network needs " in result.stdout, result.stdout
     assert "more than --device_memory=64KiB" in result.stdout, result.stdout
@@ -162,3 +156,38 @@ def test_training_that_runs_out_of_memory_ends_with_one_line(tmp_path, ballast, 
     assert line.startswith(f"trainer.py: error: out of memory {allocation} [17179869184], 64.0 GiB"), line
     assert "(task.network stage 1 of 2); the planner predicts a peak of " in line, line
     assert "fits --device_memory=64KiB" in line, line
+
+
+def test_find_message_takes_either_kind_of_out_of_memory_from_a_chain():
+    import tensorflow as tf
+
+    from gpipe_tf.memory.out_of_memory import find_message
+
+    def chained(inner):
+        try:
+            try:
+                raise inner
+            except Exception as e:
+                raise RuntimeError("while tracing") from e
+        except RuntimeError as outer:
+            return outer
+
+    assert find_message(chained(tf.errors.ResourceExhaustedError(None, None, REAL_MESSAGE))) == REAL_MESSAGE
+    assert find_message(chained(tf.errors.InvalidArgumentError(None, None, CONSTANT_MESSAGE))) == CONSTANT_MESSAGE
+    assert find_message(chained(tf.errors.InvalidArgumentError(None, None, "Incompatible shapes"))) is None
+    assert find_message(ValueError("no TensorFlow error")) is None
+
+
+def test_plan_warnings_name_the_devices_over_budget_and_the_change():
+    from gpipe_tf import experiment
+    from gpipe_tf.memory.out_of_memory import plan_warnings
+    from gpipe_tf.memory.plan import plan_pipeline
+
+    params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe")
+    plan = plan_pipeline(params.task.network, params.train, "task.network")
+    assert plan_warnings(params, plan["max_peak"], "X") == []
+    budget = int(plan["max_peak"] * 0.9)
+    [line] = plan_warnings(params, budget, "90%")
+    assert line.startswith("warning: the planner predicts task.network needs "), line
+    assert "more than --device_memory=90%; " in line, line
+    assert "smallest change that fits --device_memory=90%: " in line or "no single change" in line, line

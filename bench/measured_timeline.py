@@ -60,7 +60,7 @@ def split_steps(per_worker: Sequence[list[Event]], min_gap: float) -> list[tuple
 def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float], num_micro_batches: int,
                   order: ScheduleOrder) -> list[timeline.Cell]:
     """The cells of the step in `window` of a schedule running `order` (`Schedule.step_order(K)`); row = worker,
-    chunk = pipeline stage // K (see the module doc).
+    chunk = the stage's chunk on its device (`ScheduleOrder.chunk`; see the module doc).
 
     Raises:
       ValueError: an op ran neither once nor M times in the step, or no stage op ran M times (not a loop
@@ -96,10 +96,10 @@ def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float]
                 ops[(stage, phase, i)].append((start, end))
         for (stage, phase, micro_batch), intervals in ops.items():
             start, end = _span(intervals)
-            if stage % k != row:
-                raise ValueError(f"pipeline stage {stage} ran on worker {row}; expected worker {stage % k}")
+            if order.device(stage) != row:
+                raise ValueError(f"pipeline stage {stage} ran on worker {row}; expected worker {order.device(stage)}")
             ops = tuple(sorted((a, b) for a, b in intervals if start <= a and b <= end))
-            cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=stage // k, ops=ops))
+            cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=order.chunk(stage), ops=ops))
     if not any(c.phase != timeline.TRANSFER for c in cells):
         raise ValueError("no stage op ran M times in this step: a part of a stalled step, or not a pipeline")
     return cells
@@ -169,7 +169,7 @@ def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
     backward: dict[int, list[float]] = collections.defaultdict(list)
     for cell in measured.cells:
         if cell.phase in (timeline.FORWARD, timeline.BACKWARD):
-            stage = cell.chunk * k + cell.stage
+            stage = measured.pipeline_stage(cell)
             (forward if cell.phase == timeline.FORWARD else backward)[stage].append(cell.compute)
     costs = [max(statistics.median(forward[s]), 1e-9) for s in range(k * v)]
     backward_costs = [max(statistics.median(backward[s]), 1e-9) for s in range(k * v)]

@@ -18,7 +18,7 @@ from typing import Any
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan, TimingRequired, make_plan
-from gpipe_tf.gpipe.schedules import virtual_stages
+from gpipe_tf.gpipe.schedules import step_order
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.layers.base_layer import BaseLayer
 from gpipe_tf.memory import plan as memory_plan
@@ -150,7 +150,7 @@ def inspect(params: Params, overrides: dict[str, Any] | None = None,
         report.update(pipeline=path, num_micro_batches=pipe.num_micro_batches, remat=pipe.remat, balance=None,
                       cost_kind=None, note=None, estimate_notes=[])
         try:
-            plan = make_plan(pipe, virtual_stages=virtual_stages(pipe.schedule, pipe.num_stages, path),
+            plan = make_plan(pipe, chunk_devices=step_order(pipe.schedule, pipe.num_stages, path).stage_devices,
                              num_replicas=None, measure=None, path=path)
         except TimingRequired as e:
             report["note"] = str(e)

@@ -3,7 +3,9 @@ needs it: the TF loop that runs it (the token rings of `windowed_loop.py`), `tim
 timeline reader (`bench/measured_timeline.py`), the benchmark's bound and the tests.
 
 The data describes the cells of one step: F(s, i) and B(s, i), the forward and the backward of pipeline stage s
-(of S = v x K, chunk c of device d being stage c*K + d) on micro-batch i. Their dependencies:
+(of S = v x K) on micro-batch i. Stage s runs on device `device(s)`: s mod K by default (round robin, so chunk c
+of device d is stage c*K + d), or as `chunk_devices` gives (a V: device d holds stages d and 2K-1-d). A device's
+chunks are its stages in pipeline order (`chunk(s)`, `stage_at(d, c)`). Their dependencies:
 
 * F(s, i) after F(s-1, i) (its input) and after F(s, i-1) (each stage takes micro-batches in order);
 * B(s, i) after B(s+1, i) (its output gradient); the last stage's B(S-1, i) after its own F(S-1, i) when the loss
@@ -44,7 +46,7 @@ class ScheduleOrder:
     Attributes:
       name: the order's name in pictures and logs (e.g. 'one_f_one_b').
       num_devices: K.
-      virtual_stages: v, chunks per device; the pipeline has v x K stages, stage s on device s mod K.
+      virtual_stages: v, chunks per device; the pipeline has v x K stages, stage s on `device(s)`.
       in_flight: per pipeline stage, the most micro-batches it holds between forward and backward; None: no bound
         (every forward may run before any backward).
       forward_waits: (stage s, stage t, lag): F(s, i) also waits for F(t, i - lag).
@@ -54,6 +56,8 @@ class ScheduleOrder:
       micro_batch_multiple: M must be a multiple of this (K for Megatron-LM's groups of K micro-batches).
       weight_window: per pipeline stage, how many micro-batches' weight gradients (W) may wait after their input
         gradients (B); None: B and W are one cell, the whole backward.
+      chunk_devices: per pipeline stage, the device it runs on, each device holding v stages; None: stage s on
+        device s mod K (round robin).
     """
 
     name: str
@@ -65,6 +69,7 @@ class ScheduleOrder:
     backward_reversed: bool = True
     micro_batch_multiple: int = 1
     weight_window: tuple[int, ...] | None = None
+    chunk_devices: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for field, value in (("num_devices", self.num_devices), ("virtual_stages", self.virtual_stages),
@@ -79,6 +84,12 @@ class ScheduleOrder:
                                                or any(u < 1 for u in self.weight_window)):
             raise ParamsError(f"ScheduleOrder.weight_window={self.weight_window!r} is invalid: give one window >= 1 "
                               f"per pipeline stage ({self.num_chunks}), or None for no separate weight gradients")
+        if self.chunk_devices is not None and (
+                len(self.chunk_devices) != self.num_chunks
+                or sorted(self.chunk_devices) != sorted(list(range(self.num_devices)) * self.virtual_stages)):
+            raise ParamsError(f"ScheduleOrder.chunk_devices={self.chunk_devices!r} is invalid: give the device of "
+                              f"each of the {self.num_chunks} pipeline stages, each device in [0, {self.num_devices}) "
+                              f"holding virtual_stages={self.virtual_stages} of them, or None for round robin")
         for s, t, lag in self.forward_waits:
             if not (0 <= s < self.num_chunks and 0 <= t < self.num_chunks and lag >= 1):
                 raise ParamsError(f"ScheduleOrder.forward_waits entry {(s, t, lag)!r} is invalid: stages in "
@@ -89,9 +100,25 @@ class ScheduleOrder:
         """S = v x K, the pipeline stages (chunks) a micro-batch passes; K is `num_devices`."""
         return self.num_devices * self.virtual_stages
 
+    @property
+    def stage_devices(self) -> tuple[int, ...]:
+        """The device of each pipeline stage: `chunk_devices`, or stage mod K."""
+        if self.chunk_devices is not None:
+            return self.chunk_devices
+        return tuple(s % self.num_devices for s in range(self.num_chunks))
+
     def device(self, stage: int) -> int:
-        """The device of pipeline stage `stage`: stage mod K."""
-        return stage % self.num_devices
+        """The device of pipeline stage `stage`."""
+        return self.stage_devices[stage]
+
+    def chunk(self, stage: int) -> int:
+        """Which of its device's chunks pipeline stage `stage` is: 0 for the device's first stage in pipeline
+        order, up to v - 1."""
+        return self.stage_devices[:stage].count(self.device(stage))
+
+    def stage_at(self, device: int, chunk: int) -> int:
+        """The pipeline stage that is chunk `chunk` of device `device` (the inverse of `device` and `chunk`)."""
+        return [s for s, d in enumerate(self.stage_devices) if d == device][chunk]
 
     def bubble_bound(self, num_micro_batches: int) -> float:
         """GPipe's bound, the idle fraction with equal stage costs: (K-1)/(vM+K-1) ((K-1)/(M+K-1) for v = 1).
@@ -175,3 +202,4 @@ def zero_bubble(num_devices: int) -> ScheduleOrder:
     bubbles of the drain while the stashes stay within 1F1B's count plus the waiting W's."""
     order = one_f_one_b(num_devices, name="zero_bubble")
     return dataclasses.replace(order, weight_window=order.in_flight)
+

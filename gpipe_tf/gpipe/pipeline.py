@@ -86,7 +86,7 @@ class GPipe(BaseLayer):
         schedule: Schedule = schedule_params(p.schedule, self.path).instantiate(self.path)
         # D data-parallel replicas (train.num_replicas; the trainer builds the task inside placement.replicas(D)):
         # replica r's stage k on device r*K+k, each with its own gradient sums.
-        self.plan: StagePlan = make_plan(p, virtual_stages=schedule.step_order(max(1, p.num_stages)).virtual_stages,
+        self.plan: StagePlan = make_plan(p, chunk_devices=schedule.step_order(max(1, p.num_stages)).stage_devices,
                                          num_replicas=placement.num_replicas(), path=self.path)
         schedule.validate(self.plan, p.num_micro_batches, self.path)
         self.replica_devices = [list(devices) for devices in self.plan.devices]

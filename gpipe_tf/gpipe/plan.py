@@ -48,7 +48,9 @@ class StagePlan:
       devices: ``devices[r][k]``, the device of replica r's stage k; None where the plan was made without
         resolving devices (`--mode=inspect`).
       virtual_stages: chunks per device (v of the Interleaved schedule, else 1): the plan has num_chunks = v x K
-        chunks (K = num_stages of the Params), and chunk c runs on device c mod K.
+        chunks (K = num_stages of the Params).
+      chunk_devices: the device (0 .. K-1) of each chunk, in pipeline order: chunk c on device c mod K unless the
+        schedule's order places its chunks otherwise (a V: device d holds chunks d and 2K-1-d).
     """
 
     balance: tuple[int, ...]
@@ -58,11 +60,12 @@ class StagePlan:
     remat: tuple[bool, ...]
     devices: tuple[tuple[str, ...], ...] | None
     virtual_stages: int = 1
+    chunk_devices: tuple[int, ...] = (0,)
 
     @property
     def num_chunks(self) -> int:
         """The number of model chunks, v x K: the stages of K devices with v virtual stages each (chunk c runs on
-        device c mod K); equal to K for every schedule but Interleaved."""
+        device chunk_devices[c]); equal to K for the schedules with one chunk per device."""
         return len(self.balance)
 
     @property
@@ -97,7 +100,7 @@ def time_layer_params(layers: Sequence[InstantiableParams], input_spec: Any) -> 
     return partition.time_layers([lp.copy().instantiate() for lp in layers], sample)
 
 
-def make_plan(p: InstantiableParams, *, virtual_stages: int = 1, input_spec: Any = None,
+def make_plan(p: InstantiableParams, *, chunk_devices: Sequence[int] | None = None, input_spec: Any = None,
               num_replicas: int | None = 1, measure: LayerTimer | None = time_layer_params,
               path: str = "") -> StagePlan:
     """The stage plan of the GPipe layer configured by `p` (GPipe.params()).
@@ -105,8 +108,8 @@ def make_plan(p: InstantiableParams, *, virtual_stages: int = 1, input_spec: Any
     Args:
       p: the GPipe Params (layers, num_stages, balance, balance_by, micro_batch_shape, input_dtype, remat,
         device_kind, devices).
-      virtual_stages: v, chunks per device: the schedule's (`Schedule.step_order(K).virtual_stages`, 2 or more
-        for Interleaved, else 1); the plan makes v x K chunks.
+      chunk_devices: the device of each chunk, from the schedule's order (`Schedule.step_order(K).stage_devices`):
+        v x K entries with each device 0 .. K-1 named v times; None: one chunk per device, chunk c on device c.
       input_spec: one micro-batch of the first layer's input (any nested TensorSpecs), for balance_by 'flops' or
         'time'; None: `micro_batch_spec(p)`.
       num_replicas: data-parallel replicas to place (D); None: leave devices unresolved (plan.devices is None).
@@ -120,10 +123,9 @@ def make_plan(p: InstantiableParams, *, virtual_stages: int = 1, input_spec: Any
     path = path or p.name or "GPipe"
     layers = list(p.layers)
     num_layers, num_devices = len(layers), p.num_stages
-    v = virtual_stages
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-        raise ParamsError(f"{path}: virtual_stages={v!r} must be a whole number >= 1 (chunks per device)")
-    k = num_devices * v
+    chunk_devices = _check_chunk_devices(chunk_devices, num_devices, path)
+    k = len(chunk_devices)
+    v = k // max(1, num_devices)
     if not layers:
         raise ParamsError(f"{path}.layers is empty; give the layer Params to pipeline")
     if num_devices < 1 or k > num_layers:
@@ -137,7 +139,7 @@ def make_plan(p: InstantiableParams, *, virtual_stages: int = 1, input_spec: Any
         raise ParamsError(f"{path}.remat={p.remat!r} is not one of {remat.POLICIES}; use one of them ('always' "
                           "keeps only each stage's input per micro-batch)")
     devices = None if num_replicas is None else tuple(
-        tuple(replica[s % num_devices] for s in range(k)) for replica in _replica_devices(p, num_replicas, path))
+        tuple(replica[d] for d in chunk_devices) for replica in _replica_devices(p, num_replicas, path))
     if p.balance is not None:
         balance, costs, kind = _check_balance(p, k, num_layers, path), None, None
     else:
@@ -149,7 +151,22 @@ def make_plan(p: InstantiableParams, *, virtual_stages: int = 1, input_spec: Any
         start += size
     return StagePlan(balance=balance, stage_layers=tuple(names), layer_costs=costs, cost_kind=kind,
                      remat=tuple(remat.stage_uses_remat(p.remat, s, k) for s in range(k)), devices=devices,
-                     virtual_stages=v)
+                     virtual_stages=v, chunk_devices=chunk_devices)
+
+
+def _check_chunk_devices(chunk_devices: Sequence[int] | None, num_devices: Any, path: str) -> tuple[int, ...]:
+    """`chunk_devices` as a tuple (None: chunk c on device c), or a ParamsError unless it names each of the
+    num_devices devices equally often."""
+    if chunk_devices is None:
+        return tuple(range(num_devices)) if isinstance(num_devices, numbers.Integral) and num_devices > 0 else (0,)
+    given = tuple(chunk_devices)
+    k = num_devices if isinstance(num_devices, numbers.Integral) and num_devices > 0 else 1
+    v = len(given) // k
+    if v < 1 or sorted(given) != sorted(list(range(k)) * v):
+        raise ParamsError(f"{path}: chunk_devices={list(given)!r} must name each of the num_stages={num_devices} "
+                          "devices (0 .. num_stages-1) equally often, once per chunk; pass the schedule order's "
+                          "stage_devices for this num_stages")
+    return given
 
 
 def _check_balance(p: InstantiableParams, k: int, num_layers: int, path: str) -> tuple[int, ...]:

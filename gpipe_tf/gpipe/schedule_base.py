@@ -167,7 +167,7 @@ class Schedule:
     def step_order(self, num_devices: int) -> ScheduleOrder:
         """This schedule's order of one step's cells on `num_devices` devices, as data (`orders.ScheduleOrder`):
         stated once here, and read by its loop, `timeline.predict`, the measured-timeline reader and the
-        benchmark's bound. Its `virtual_stages` is the chunks per device the stage plan makes."""
+        benchmark's bound. Its `stage_devices` are the devices of the chunks the stage plan makes."""
         raise NotImplementedError
 
     def validate(self, plan: StagePlan, num_micro_batches: int, path: str = "") -> None:

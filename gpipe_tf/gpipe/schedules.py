@@ -14,7 +14,7 @@ from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 __all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "SCHEDULES",
-           "schedule_params", "schedule_name", "step_order", "virtual_stages"]
+           "schedule_params", "schedule_name", "step_order"]
 
 # Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its
 # class's default Params. Each class gives its own (`Schedule.short_names`); importing them all here fills the table.
@@ -44,9 +44,3 @@ def step_order(value: Any, num_stages: int, path: str = "") -> ScheduleOrder:
     """The order data of the schedule a `schedule` field stands for (Params or a short name), on `num_stages`
     devices (`Schedule.step_order`)."""
     return schedule_params(value, path).instantiate(path).step_order(max(1, int(num_stages)))
-
-
-def virtual_stages(value: Any, num_stages: int, path: str = "") -> int:
-    """Chunks per device of the schedule a `schedule` field stands for, on `num_stages` devices: its order's v,
-    what `plan.make_plan` takes."""
-    return step_order(value, num_stages, path).virtual_stages

@@ -42,8 +42,9 @@ class Cell:
     """One unit of work on row `stage`: micro-batch `micro_batch` forward ('F') or backward ('B'), or a transfer
     ('T', measured timelines only; its micro-batch may be None).
 
-    With the interleaved schedule `stage` is the device (the row drawn) and `chunk` which of its virtual stages
-    runs: the pipeline stage is chunk * K + stage (`Timeline.pipeline_stage`). Otherwise chunk is 0.
+    With several chunks per device (interleaved, V orders) `stage` is the device (the row drawn) and `chunk` which
+    of its chunks runs: the pipeline stage is `Timeline.pipeline_stage` (chunk * K + stage, round robin). Otherwise
+    chunk is 0.
 
     `ops` (measured cells): the intervals the cell's ops ran in, inside [start, end]. A worker runs ops of
     different micro-batches as their inputs arrive (the next micro-batch's forward beside the current backward),
@@ -161,8 +162,8 @@ class Timeline:
         return self.num_stages * self.virtual_stages
 
     def pipeline_stage(self, cell: Cell) -> int:
-        """The pipeline stage `cell` runs: chunk * K + row."""
-        return cell.chunk * self.num_stages + cell.stage
+        """The pipeline stage `cell` runs: chunk `cell.chunk` of device `cell.stage` (`ScheduleOrder.stage_at`)."""
+        return self.order.stage_at(cell.stage, cell.chunk)
 
     def schedule_label(self) -> str:
         """The schedule's name, with v where a device runs several chunks ("interleaved v=2")."""
@@ -305,7 +306,7 @@ def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> li
         d = order.device(s)
         start = max(free[d], ready.pop(key))
         ends[key] = free[d] = start + costs[phase][s]
-        cells.append(Cell(d, i, phase, start, ends[key], s // k))
+        cells.append(Cell(d, i, phase, start, ends[key], order.chunk(s)))
         for waiting in dependents[key]:
             missing[waiting] -= 1
             if not missing[waiting]:

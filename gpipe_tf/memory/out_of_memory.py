@@ -118,9 +118,10 @@ def find_stage(params: Params, device: str) -> StageAt | None:
 
 def stage_of_node(params: Params, pipeline: int | None, chunk: int | None) -> StageAt | None:
     """The stage of pipeline `pipeline`'s chunk `chunk` (name scope gpipe<pipeline>_stage<chunk>; chunk c runs on
-    stage c mod K), or None. With one pipeline in the task it is that one whatever its process-wide number; the
-    replica is unknown (0 of 1)."""
+    the device its schedule's order gives: c mod K but for a V), or None. With one pipeline in the task it is that
+    one whatever its process-wide number; the replica is unknown (0 of 1)."""
     from gpipe_tf.inspection import find_pipelines
+    from gpipe_tf.memory.plan import schedule_order
 
     pipelines = find_pipelines(params.task)
     if pipeline is None or chunk is None or not pipelines:
@@ -128,7 +129,8 @@ def stage_of_node(params: Params, pipeline: int | None, chunk: int | None) -> St
     if len(pipelines) > 1 and pipeline >= len(pipelines):
         return None
     path, pipe = pipelines[0] if len(pipelines) == 1 else pipelines[pipeline]
-    return StageAt(path, pipe, 0, chunk % pipe.num_stages, 1)
+    order = schedule_order(pipe, path)
+    return StageAt(path, pipe, 0, order.device(chunk), 1) if chunk < order.num_chunks else None
 
 
 def explain(message: str, params: Params, device_memory: int | None = None, budget_text: str = "") -> str:

@@ -67,7 +67,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
                           f"set it for the longest batch, e.g. --params={path}.micro_batch_shape=[B/M, T],"
                           f"{path}.input_dtype=int32")
     order = schedule_order(pipe, path)
-    plan = make_plan(pipe, virtual_stages=order.virtual_stages, num_replicas=None, measure=None, path=path)
+    plan = make_plan(pipe, chunk_devices=order.stage_devices, num_replicas=None, measure=None, path=path)
     k, m, v = plan.num_devices, pipe.num_micro_batches, order.virtual_stages
     stashes = stashed_micro_batches(order, m)
     var_dtype = tf.as_dtype(pipe.dtype or "float32")
@@ -89,7 +89,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
     devices = []
     per_stage = [{"stage": s, **mem.as_dict()} for s, _, mem in stages]
     for d in range(k):
-        mine = [(s, names, mem) for s, names, mem in stages if s % k == d]
+        mine = [(s, names, mem) for s, names, mem in stages if order.device(s) == d]
         row: dict[str, Any] = {"device": d, "stages": [s for s, _, _ in mine],
                                "layers": [n for _, names, _ in mine for n in names]}
         for key, value in mine[0][2].as_dict().items():

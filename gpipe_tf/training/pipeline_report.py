@@ -36,8 +36,8 @@ def predicted_timeline(plan: StagePlan, num_micro_batches: int,
     """The timeline of a schedule's order (`Schedule.step_order(K)`; None: fill-drain) predicted from a stage plan:
     its per-stage costs (equal stages where an explicit balance computed none) and its per-stage remat decisions.
 
-    The plan has one stage per pipeline stage of the order, K * v of them in pipeline order (chunk c of device d
-    is stage c*K + d), and the timeline has K rows.
+    The plan has one stage per pipeline stage of the order, K * v of them in pipeline order (on the devices the
+    order gives, `ScheduleOrder.stage_devices`), and the timeline has K rows.
     """
     if order is None:
         order = orders.fill_drain(plan.num_chunks)

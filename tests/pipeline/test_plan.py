@@ -224,6 +224,21 @@ def test_devices_come_from_the_placement_mapping():
     assert make_plan(explicit, num_replicas=2).devices == (tuple(DEVICES[:2]), tuple(DEVICES[1:]))
 
 
+def test_chunks_go_to_the_devices_the_order_names():
+    # Four chunks on two devices, as a V (0, 1, 1, 0) and round robin (0, 1, 0, 1): each replica's chunk c on its
+    # device chunk_devices[c]; a map that does not give each device the same number of chunks is refused.
+    p = GPipe.params().set(layers=linear_layers(4), num_stages=2, devices=[DEVICES[:2], DEVICES[1:]])
+    for chunk_devices in ((0, 1, 1, 0), (0, 1, 0, 1)):
+        plan = make_plan(p, chunk_devices=chunk_devices, num_replicas=2)
+        assert (plan.num_chunks, plan.num_devices, plan.chunk_devices) == (4, 2, chunk_devices)
+        assert plan.devices == tuple(tuple(replica[d] for d in chunk_devices)
+                                     for replica in (DEVICES[:2], DEVICES[1:]))
+    assert make_plan(p.copy().set(devices=None), num_replicas=None).chunk_devices == (0, 1)
+    with pytest.raises(ParamsError, match=re.escape("chunk_devices=[0, 1, 1] must name each of the num_stages=2 "
+                                                    "devices (0 .. num_stages-1) equally often")):
+        make_plan(p, chunk_devices=(0, 1, 1), num_replicas=None)
+
+
 def test_plan_is_frozen():
     plan = make_plan(GPipe.params().set(layers=linear_layers(), num_stages=2), num_replicas=None)
     assert isinstance(plan, StagePlan)

@@ -358,7 +358,7 @@ def _check_schedule(t):
         assert 0 <= c.stage < k and 0 <= c.chunk < v
     for row in range(k):
         cells = t.stage_cells(row)
-        assert {t.pipeline_stage(c) for c in cells} == {c * k + row for c in range(v)}
+        assert {t.pipeline_stage(c) for c in cells} == {s for s in range(stages) if t.order.device(s) == row}
         for prev, nxt in zip(cells, cells[1:]):
             assert nxt.start >= prev.end - 1e-12
     for s in range(stages):
@@ -519,6 +519,30 @@ def test_order_data_is_checked_and_a_deadlocking_order_is_named():
     circular = orders.ScheduleOrder("circular", 2, in_flight=(1, 1))
     with pytest.raises(ParamsError, match=r"the circular order deadlocks: cells such as .* wait on each other"):
         timeline.predict(circular, 2)
+
+
+@pytest.mark.parametrize("schedule,v", [("fill_drain", 1), ("interleaved", 3)])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_each_pipeline_stage_is_one_chunk_of_one_device(schedule, v, k):
+    o = order(schedule, k, v if schedule == "interleaved" else None)
+    assert (o.num_chunks, o.virtual_stages) == (v * k, v)
+    expected = [min(s, 2 * k - 1 - s) for s in range(2 * k)] if schedule == "zero_bubble_v" else [
+        s % k for s in range(v * k)]
+    assert list(o.stage_devices) == expected
+    seen = set()
+    for s in range(o.num_chunks):
+        assert o.stage_at(o.device(s), o.chunk(s)) == s
+        seen.add((o.device(s), o.chunk(s)))
+    assert seen == {(d, c) for d in range(k) for c in range(v)}
+
+
+def test_chunk_devices_must_give_each_device_v_stages():
+    with pytest.raises(ParamsError, match=re.escape("ScheduleOrder.chunk_devices=(0, 0, 1, 2) is invalid: give the "
+                                                    "device of each of the 4 pipeline stages, each device in [0, 2) "
+                                                    "holding virtual_stages=2 of them")):
+        orders.ScheduleOrder("mine", 2, 2, chunk_devices=(0, 0, 1, 2))
+    with pytest.raises(ParamsError, match=re.escape("chunk_devices=(0, 1) is invalid")):
+        orders.ScheduleOrder("mine", 2, 2, chunk_devices=(0, 1))
 
 
 def test_titles_and_text_headers_name_the_schedule():

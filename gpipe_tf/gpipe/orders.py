@@ -203,3 +203,14 @@ def zero_bubble(num_devices: int) -> ScheduleOrder:
     order = one_f_one_b(num_devices, name="zero_bubble")
     return dataclasses.replace(order, weight_window=order.in_flight)
 
+
+def zero_bubble_v(num_devices: int) -> ScheduleOrder:
+    """ZB-V (Qi et al., 2024; torch's ScheduleZBVZeroBubble): 2K pipeline stages in a V, device d holding stages d
+    and 2K-1-d, so the first and the last stage (and the loss) share device 0 and the turn of the V stays on device
+    K-1 with no transfer. The windows are ZB-H1's over the 2K stages: stage s holds at most 2K - s micro-batches
+    between its forward and its input gradient, and as many weight gradients may wait, so W fills the bubbles."""
+    k = num_devices
+    stages = 2 * k
+    windows = tuple(stages - s for s in range(stages))
+    return ScheduleOrder("zero_bubble_v", k, 2, in_flight=windows, loss_per_micro_batch=True, backward_reversed=False,
+                         weight_window=windows, chunk_devices=tuple(min(s, stages - 1 - s) for s in range(stages)))

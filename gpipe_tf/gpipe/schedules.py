@@ -11,10 +11,11 @@ from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.schedule_base import Schedule
 from gpipe_tf.gpipe.unrolled import Unrolled
 from gpipe_tf.gpipe.zero_bubble import ZeroBubble
+from gpipe_tf.gpipe.zero_bubble_v import ZeroBubbleV
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
-__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "SCHEDULES",
-           "schedule_params", "schedule_name", "step_order"]
+__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "ZeroBubbleV",
+           "SCHEDULES", "schedule_params", "schedule_name", "step_order"]
 
 # Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its
 # class's default Params. Each class gives its own (`Schedule.short_names`); importing them all here fills the table.
@@ -44,3 +45,4 @@ def step_order(value: Any, num_stages: int, path: str = "") -> ScheduleOrder:
     """The order data of the schedule a `schedule` field stands for (Params or a short name), on `num_stages`
     devices (`Schedule.step_order`)."""
     return schedule_params(value, path).instantiate(path).step_order(max(1, int(num_stages)))
+

@@ -49,7 +49,7 @@ def make_task(network):
     return p.instantiate()
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "interleaved", "zero_bubble_v"])
 @pytest.mark.parametrize("remat", ["never", "always"])
 def test_moving_averages_after_one_pipelined_step_use_full_batch_statistics(remat, schedule):
     network = GPipe.params().set(layers=layers(), num_stages=2, num_micro_batches=M, remat=remat,

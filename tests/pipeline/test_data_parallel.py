@@ -66,7 +66,7 @@ def test_two_replicas_of_two_stages_equal_one_unpipelined_model():
         assert relative(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("schedule", ["one_f_one_b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["one_f_one_b", "interleaved", "zero_bubble_v"])
 def test_two_replicas_of_a_loss_in_pipeline_schedule_equal_one_unpipelined_model(schedule):
     _, ref_losses, ref_vars = train(1, 1, 1)
     _, losses, got_vars = train(2, 2, 2, schedule=schedule)

@@ -174,7 +174,7 @@ def task_gradients(task, loss_scale=None):
     return [g.numpy() for g in fn(tf.constant(X))]
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b"])
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "zero_bubble_v"])
 def test_float16_gradients_underflow_without_loss_scaling_and_match_float32_with_it(schedule):
     """1F1B runs its backward inside the pipeline, started from loss_scale / normalizer: the scale protects it
     as it protects a tape's backward."""

@@ -14,6 +14,7 @@ from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
 from gpipe_tf.gpipe.unrolled import Unrolled
 from gpipe_tf.gpipe.zero_bubble import ZeroBubble
+from gpipe_tf.gpipe.zero_bubble_v import ZeroBubbleV
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.training import hparams
 from tests.helpers.event_files import session_hparams
@@ -23,9 +24,10 @@ KEY = "toy.classifier.BlobsMlpGPipe"
 PATHS = {"fill_drain": "gpipe_tf.gpipe.fill_drain.FillDrain", "unrolled": "gpipe_tf.gpipe.unrolled.Unrolled",
          "one_f_one_b": "gpipe_tf.gpipe.one_f_one_b.OneForwardOneBackward",
          "interleaved": "gpipe_tf.gpipe.interleaved.Interleaved",
-         "zero_bubble": "gpipe_tf.gpipe.zero_bubble.ZeroBubble"}
+         "zero_bubble": "gpipe_tf.gpipe.zero_bubble.ZeroBubble",
+         "zero_bubble_v": "gpipe_tf.gpipe.zero_bubble_v.ZeroBubbleV"}
 CLASSES = {"fill_drain": FillDrain, "unrolled": Unrolled, "one_f_one_b": OneForwardOneBackward,
-           "interleaved": Interleaved, "zero_bubble": ZeroBubble}
+           "interleaved": Interleaved, "zero_bubble": ZeroBubble, "zero_bubble_v": ZeroBubbleV}
 
 
 def _schedule(overrides="", bindings=(), key=KEY):
@@ -56,7 +58,7 @@ def test_the_new_class_fields_are_settable_after_it_in_the_same_string(form):
         _schedule("task.network.schedule=unrolled,task.network.schedule.parallel_iterations=2")
     # Nor have the schedules whose loop does not honour it (their loop runs M iterations at once, ordered by
     # their order data): 1F1B has no knob, Interleaved only virtual_stages.
-    for name in ("one_f_one_b", "interleaved", "zero_bubble"):
+    for name in ("one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v"):
         with pytest.raises(ParamsError, match="unknown param 'task.network.schedule.parallel_iterations'"):
             _schedule(f"task.network.schedule={name},task.network.schedule.parallel_iterations=2")
 

@@ -1,5 +1,5 @@
 """Every schedule with the loss in the pipeline equals the un-pipelined model: FillDrain, OneForwardOneBackward,
-ZeroBubble and Interleaved, K in 1..4, M in {1, 2, 4, 8}, both remat policies, float64 and float32, the MLP and the
+ZeroBubble, ZeroBubbleV and Interleaved, K in 1..4, M in {1, 2, 4, 8}, both remat policies, float64 and float32, the MLP and the
 conv stack."""
 
 import collections
@@ -83,7 +83,7 @@ def reference():
     return x, targets, head, loss_and_grads(build(mlp_layers("float64", depth=DEPTH), "float64"), x, targets, head)
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "zero_bubble", "zero_bubble_v"])
 @pytest.mark.parametrize("remat", ["never", "always"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
@@ -110,7 +110,7 @@ def test_mlp_float64_interleaved_equals_unpipelined(reference, k, m, v):
 
 
 @pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("fill_drain", None),
-                                        ("zero_bubble", None)])
+                                        ("zero_bubble", None), ("zero_bubble_v", None)])
 @pytest.mark.parametrize("k,m,remat", [(2, 4, "never"), (4, 8, "always"), (2, 8, "always")])
 def test_mlp_float32_equals_unpipelined(k, m, remat, schedule, v):
     x, targets, head = data("float32", seed=2)
@@ -120,12 +120,13 @@ def test_mlp_float32_equals_unpipelined(k, m, remat, schedule, v):
     assert_same(got, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("zero_bubble", None)])
+@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("zero_bubble", None),
+                                        ("zero_bubble_v", None)])
 @pytest.mark.parametrize("k,m,remat", [(1, 1, "never"), (2, 4, "always"), (2, 2, "never"), (3, 3, "always")])
 def test_conv_pair_stack_changes_shape_and_equals_unpipelined(k, m, remat, schedule, v):
-    if schedule == "interleaved" and 2 * k > 5:
+    if schedule in ("interleaved", "zero_bubble_v") and 2 * k > 5:
         k = 2  # the stack has 5 layers: at most 2 devices of 2 chunks
-        m = 2 * m if m % 2 else m
+        m = 2 * m if m % 2 and schedule == "interleaved" else m
     rng = np.random.default_rng(3)
     x = (tf.constant(rng.normal(size=(BATCH, 8, 8, 2))), tf.constant(rng.normal(size=(BATCH, 8, 8, 2))))
     targets = {"y": tf.constant(rng.normal(size=(BATCH,))), "w": tf.constant(rng.uniform(size=(BATCH,)))}
@@ -143,6 +144,7 @@ def test_dropout_is_identical_across_schedules_and_k():
     base = loss_and_grads(build(layers, "float64", 1, 4, "never", "fill_drain"), x, targets, head, seed)
     for k, remat, schedule in [(4, "never", "one_f_one_b"), (2, "always", "one_f_one_b"), (4, "always", "fill_drain"),
                                (4, "never", "zero_bubble"), (2, "always", "zero_bubble"),
+                               (2, "never", "zero_bubble_v"), (1, "always", "zero_bubble_v"),
                                (2, "never", Interleaved.params().set(virtual_stages=2)),
                                (4, "always", Interleaved.params().set(virtual_stages=2))]:
         got = loss_and_grads(build(layers, "float64", k, 4, remat, schedule), x, targets, head, seed)
@@ -171,6 +173,7 @@ def test_input_gradient_reaches_a_layer_before_the_pipeline():
     assert np.abs(ref).max() > 1e-3
     np.testing.assert_allclose(run("one_f_one_b"), ref, rtol=1e-10)
     np.testing.assert_allclose(run("zero_bubble"), ref, rtol=1e-10)
+    np.testing.assert_allclose(run("zero_bubble_v"), ref, rtol=1e-10)
     np.testing.assert_allclose(run(Interleaved.params().set(virtual_stages=2)), ref, rtol=1e-10)
 
 
@@ -289,3 +292,17 @@ def test_zero_bubble_adds_a_weight_ring_per_stage_to_one_f_one_bs_loop(reference
             return layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]
         widths.append(_while_inputs(step.get_concrete_function(x).graph))
     assert len(widths[0]) == len(widths[1]) == 1 and widths[1][0] - widths[0][0] == 3, widths
+
+
+def test_zero_bubble_v_places_its_chunks_in_a_v(reference):
+    # ZB-V at K=3: chunks 0..5 on devices 0, 1, 2, 2, 1, 0 (the loss on device 0, beside chunk 0), and each
+    # chunk's layers on its device; the same loss and gradients as the un-pipelined model.
+    x, targets, head, ref = reference
+    layer = build(mlp_layers("float64", depth=DEPTH), "float64", 3, 4, "never", "zero_bubble_v")
+    assert layer.plan.chunk_devices == (0, 1, 2, 2, 1, 0)
+    assert list(layer.plan.devices[0]) == [DEVICES[d] for d in (0, 1, 2, 2, 1, 0)]
+    for stage, names in enumerate(layer.stage_layers):
+        for name in names:
+            assert [v.device.split("device:")[-1] for v in layer.children[name].trainable_variables] == \
+                [DEVICES[(0, 1, 2, 2, 1, 0)[stage]].split("device:")[-1]] * 2, (stage, name)
+    assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)

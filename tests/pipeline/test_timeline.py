@@ -521,7 +521,7 @@ def test_order_data_is_checked_and_a_deadlocking_order_is_named():
         timeline.predict(circular, 2)
 
 
-@pytest.mark.parametrize("schedule,v", [("fill_drain", 1), ("interleaved", 3)])
+@pytest.mark.parametrize("schedule,v", [("fill_drain", 1), ("interleaved", 3), ("zero_bubble_v", 2)])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_each_pipeline_stage_is_one_chunk_of_one_device(schedule, v, k):
     o = order(schedule, k, v if schedule == "interleaved" else None)
@@ -543,6 +543,34 @@ def test_chunk_devices_must_give_each_device_v_stages():
         orders.ScheduleOrder("mine", 2, 2, chunk_devices=(0, 0, 1, 2))
     with pytest.raises(ParamsError, match=re.escape("chunk_devices=(0, 1) is invalid")):
         orders.ScheduleOrder("mine", 2, 2, chunk_devices=(0, 1))
+
+
+@pytest.mark.parametrize("k,m,costs", [(2, 4, None), (2, 8, None), (3, 5, [1.0, 2.5, 0.5, 0.7, 1.2, 0.9]),
+                                       (4, 8, None), (1, 3, None)])
+def test_zero_bubble_v_turns_on_the_last_device_and_ends_on_the_first(k, m, costs):
+    # ZB-V's order: 2K stages, device d holding stages d and 2K-1-d, each backward split into B and W. Every cell
+    # runs once on its stage's device, after all its dependencies, as soon as the device is free; the V halves
+    # the fill and the drain, so the bubble is below both GPipe's bound for two chunks and ZB-H1's.
+    t = predict(k, m, costs, schedule="zero_bubble_v")
+    stages = 2 * k
+    cells = {(c.phase, t.pipeline_stage(c), c.micro_batch): c for c in t.cells}
+    assert sorted(cells) == sorted((p, s, i) for s in range(stages) for i in range(m) for p in "FBW")
+    assert len(cells) == len(t.cells)
+    for (phase, s, i), c in cells.items():
+        assert c.stage == min(s, stages - 1 - s), (phase, s, i)
+    for row in range(k):
+        free = 0.0
+        for c in t.stage_cells(row):
+            needs = t.order.dependencies(c.phase, t.pipeline_stage(c), c.micro_batch, m)
+            ready = max([cells[need].end for need in needs], default=0.0)
+            assert c.start == pytest.approx(max(free, ready), abs=1e-12), c
+            free = c.end
+    # The last stage's forward and the loss's backward run on device 0, right after each other.
+    for i in range(m):
+        assert cells["B", stages - 1, i].start >= cells["F", stages - 1, i].end - 1e-12
+    if k > 1 and costs is None:
+        assert t.bubble_fraction < t.ideal_bubble_fraction()
+        assert t.bubble_fraction < predict(k, m, schedule="zero_bubble").bubble_fraction
 
 
 def test_titles_and_text_headers_name_the_schedule():

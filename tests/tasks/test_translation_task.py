@@ -75,7 +75,8 @@ def test_pipelined_equals_unpipelined_loss_and_gradients(share):
     assert all(np.any(g != 0) for name, g in ref[2].items() if "bias" not in name and "/b" not in name)
 
 
-@pytest.mark.parametrize("schedule,k,m", [("one_f_one_b", 2, 2), ("one_f_one_b", 2, 4), ("interleaved", 2, 2)])
+@pytest.mark.parametrize("schedule,k,m", [("one_f_one_b", 2, 2), ("one_f_one_b", 2, 4), ("interleaved", 2, 2),
+                                        ("zero_bubble", 2, 4), ("zero_bubble_v", 2, 4)])
 def test_loss_in_the_pipeline_per_micro_batch_equals_unpipelined(schedule, k, m):
     """Padding weights combine per micro-batch exactly as in the full-batch loss (the micro-batches here hold
     different numbers of real tokens), the metric too."""

@@ -13,6 +13,7 @@ configurations, so a slow moment of the machine hits all of them alike; compare 
   python -m bench.pipeline --skip-speed   # memory of workload (b) only
   python -m bench.pipeline --breakdown    # where the one-worker step's time goes, by op category, only
   python -m bench.pipeline --timeline     # measured vs predicted timeline of each schedule (PNG, text, JSON)
+  python -m bench.pipeline --peer         # every schedule at K=2, M=8 and the one-worker step: torch's peer set
   python -m bench.pipeline --dxk          # D x K data parallelism on 4 logical CPUs (bench/data_parallel.py)
 """
 
@@ -135,7 +136,12 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     from gpipe_tf import workers
 
     schedules = ("unrolled", "fill_drain")
-    if args.compare:
+    if args.peer:
+        # What ../shared/peers/torch_peer_bench.py runs: the one-worker step, and each schedule at K=2, M=8.
+        configs = [("transformer", 1, 1, "never", "unrolled")]
+        configs += [("transformer", 2, 8, "never", sch) for sch in PEER_SCHEDULES]
+        compile_ms = []
+    elif args.compare:
         configs = [("transformer", 2, 8, r, sch) for r in ("never", "always") for sch in schedules]
         compile_ms = []
     elif args.quick:
@@ -147,11 +153,14 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                    for m in (1, 2, 4, 8)]
         configs += [("transformer", 2, m, r, "fill_drain") for r in ("never", "always") for m in (1, 2, 4, 8)]
         compile_ms = [4, 8, 16, 32]
-    configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
-    if not args.compare:
-        # The schedules beyond fill-drain: 1F1B and ZeroBubble (ZB-H1) at K=2, M=8, interleaved v=2 at K=2, M=4.
-        configs += [("transformer", 2, 8, "never", "one_f_one_b"), ("transformer", 2, 8, "never", "zero_bubble"),
-                    ("transformer", 2, 4, "never", "fill_drain"), ("transformer", 2, 4, "never", "interleaved")]
+    if not args.peer:
+        configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
+    if not (args.compare or args.peer):
+        # The schedules beyond fill-drain: 1F1B, ZeroBubble (ZB-H1) and ZeroBubbleV at K=2, M=8, interleaved v=2
+        # at K=2, M=4; the zero-bubble schedules on the weight-heavy workload too.
+        configs += [("transformer", 2, 8, "never", sch) for sch in ("one_f_one_b", "zero_bubble", "zero_bubble_v")]
+        configs += [("transformer", 2, 4, "never", "fill_drain"), ("transformer", 2, 4, "never", "interleaved")]
+        configs += [("heavy", 2, 8, "never", sch) for sch in ("zero_bubble", "zero_bubble_v")]
     rows = []
     traced_lines = []
     with workers.LocalWorkers(2, profiler=True) as cluster:
@@ -201,7 +210,8 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                                     f"{worker}: {op_breakdown.format_breakdown(share)}")
             print(f"# traced {config}", file=sys.stderr)
         # The unrolled schedule's trace grows with M (minutes at M=32), so --quick measures fill_drain only.
-        for schedule in ("fill_drain",) if args.quick or args.compare else ("fill_drain", "unrolled"):
+        for schedule in () if args.peer else ("fill_drain",) if args.quick or args.compare else (
+                "fill_drain", "unrolled"):
             for m in compile_ms:
                 step, x, _ = build_step("transformer", 2, m, "never", devices, schedule)
                 start = time.perf_counter()
@@ -251,7 +261,8 @@ def memory_worker(quick: bool) -> None:
     # All M even when quick: one process, seconds each, and "non-increasing in M" needs more than one point.
     configs = [(2, 1, "never", "fill_drain")] + [(2, m, "always", "fill_drain") for m in (2, 4, 8)]
     # 1F1B and ZeroBubble against fill-drain where fill-drain keeps the most: K=4, M=16, no remat.
-    configs += [(4, 16, "never", schedule) for schedule in ("fill_drain", "one_f_one_b", "zero_bubble")]
+    configs += [(4, 16, "never", schedule)
+                for schedule in ("fill_drain", "one_f_one_b", "zero_bubble", "zero_bubble_v")]
     for k, m, remat, schedule in configs:
         step, x, _ = build_step("mlp", k, m, remat, devices, schedule)
         step(x).numpy()
@@ -266,7 +277,10 @@ def memory_worker(quick: bool) -> None:
                               compile_s=None, flops_fraction=None)), flush=True)
 
 
-TIMELINE_SCHEDULES = ("fill_drain", "one_f_one_b", "interleaved", "zero_bubble")
+TIMELINE_SCHEDULES = ("fill_drain", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v")
+# The schedules --peer runs at K=2, M=8, beside torch.distributed.pipelining's (GPipe, 1F1B, Interleaved1F1B,
+# InterleavedZeroBubble, ZBVZeroBubble).
+PEER_SCHEDULES = ("fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v")
 CLOSE_POINTS = 5.0  # prediction and median measurement agree within this many percentage points
 
 
@@ -413,6 +427,19 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     if a and b:
         out.append(f"workload (a) K=2 M=8 remat=never step one_f_one_b / fill_drain: "
                    f"{a['step_time_s'] / b['step_time_s']:.3f}")
+    base = step.get(("heavy", 2, 8, "never", "unrolled"))
+    for schedule in ("zero_bubble", "zero_bubble_v"):
+        a = step.get(("heavy", 2, 8, "never", schedule))
+        if a and base:
+            out.append(f"weight-heavy step {schedule} / unrolled: {a['step_time_s'] / base['step_time_s']:.2f}")
+    for schedule in ("zero_bubble", "zero_bubble_v"):
+        if schedule in deep and "one_f_one_b" in deep:
+            out.append(f"peak memory K=4 M=16 no remat {schedule} / one_f_one_b: "
+                       f"{deep[schedule] / deep['one_f_one_b']:.2f} ({deep[schedule]} / {deep['one_f_one_b']} MiB)")
+    at_8 = [(r["step_time_s"], r["schedule"], r["efficiency"]) for key, r in sorted(step.items())
+            if key[:4] == ("transformer", 2, 8, "never")]
+    if at_8 and all(e is not None for _, _, e in at_8):
+        out.append("K=2 M=8 remat=never step s (E): " + ", ".join(f"{sch} {t:.4f} ({e})" for t, sch, e in sorted(at_8)))
     a, b = step.get(("transformer", 2, 4, "never", "interleaved")), step.get(("transformer", 2, 4, "never",
                                                                               "fill_drain"))
     if a and b and a["efficiency"] is not None:
@@ -429,14 +456,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration and round (2: the "
                         "medians that judge ratios near 1.0 come from twice the samples of one step per round)")
     parser.add_argument("--skip-memory", action="store_true", help="speed only")
+    parser.add_argument("--peer", action="store_true", help="the configurations of the torch peer only: the "
+                        "one-worker step and every schedule at K=2, M=8 without remat (run beside "
+                        "../shared/peers/torch_peer_bench.py)")
     parser.add_argument("--compare", action="store_true", help="the two schedules side by side only: K=2, M=8 on "
                         "workload (a) with and without remat and on the weight-heavy workload (no memory part)")
     parser.add_argument("--skip-speed", action="store_true", help="memory only (one process, no workers)")
     parser.add_argument("--breakdown", action="store_true", help="only the one-worker step's time by op category "
                         "(matmul, attention, normalization, elementwise, transfer, idle)")
     parser.add_argument("--timeline", action="store_true", help="only the measured timelines: profiled steps of "
-                        "fill_drain, one_f_one_b, interleaved (v=2) and zero_bubble at K=2 on two workers, drawn "
-                        "beside the predicted ones")
+                        "fill_drain, one_f_one_b, interleaved (v=2), zero_bubble and zero_bubble_v at K=2 on two "
+                        "workers, drawn beside the predicted ones")
     parser.add_argument("--micro-batches", type=lambda text: [int(m) for m in text.split(",")], default=[4, 8],
                         help="--timeline: the values of M, comma-separated (default 4,8)")
     parser.add_argument("--traced-steps", type=int, default=3,
@@ -462,13 +492,13 @@ def main() -> None:
         for line in timelines(args):
             print(line)
         return
-    parts = breakdown(args) if args.breakdown or not (args.compare or args.skip_speed) else None
+    parts = breakdown(args) if args.breakdown or not (args.compare or args.peer or args.skip_speed) else None
     if parts is not None:
         print(json.dumps(dict(breakdown=parts)), flush=True)
     if args.breakdown:
         print(breakdown_line(parts))
         return
-    rows = [] if args.skip_memory or args.compare else memory(args)
+    rows = [] if args.skip_memory or args.compare or args.peer else memory(args)
     for row in rows:
         print(json.dumps(row), flush=True)
     speed_rows, traced_lines = ([], []) if args.skip_speed else speed(args)

@@ -63,8 +63,8 @@ def plan_with(model: str, knob: str, value: int, num_stages: int, device_memory:
     from gpipe_tf.memory.plan import plan_pipeline
 
     params, _ = experiment.resolve_params(
-        model, gin_files=gin_files, gin_bindings=[*gin_bindings, f"{model}.{knob}={value}", f"{model}.num_stages={num_stages}"],
-        overrides=overrides)
+        model, gin_files=gin_files, overrides=overrides,
+        gin_bindings=[*gin_bindings, f"{model}.{knob}={value}", f"{model}.num_stages={num_stages}"])
     pipelines = find_pipelines(params.task)
     if not pipelines:
         raise ConfigError(f"capacity: {model} with num_stages={num_stages} builds no pipeline to plan (an experiment "

@@ -85,12 +85,14 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if "measured bubble" in line]
-    assert len(lines) == 4 and all("predicted" in line and "bound" in line and "points apart" in line
+    assert len(lines) == 5 and all("predicted" in line and "bound" in line and "points apart" in line
                                    and " M=4: " in line for line in lines), run.stdout
-    for schedule, v in (("fill_drain", 1), ("one_f_one_b", 1), ("interleaved", 2), ("zero_bubble", 1)):
+    for schedule, v in (("fill_drain", 1), ("one_f_one_b", 1), ("interleaved", 2), ("zero_bubble", 1),
+                        ("zero_bubble_v", 2)):
+        order = _order(schedule, 2)
         cells = json.loads((out / f"timeline_{schedule}_m4.json").read_text())["cells"]
-        counted = collections.Counter((c["chunk"] * 2 + c["row"], c["micro_batch"], c["phase"]) for c in cells
-                                      if c["phase"] != "T")
+        counted = collections.Counter((order.stage_at(c["row"], c["chunk"]), c["micro_batch"], c["phase"])
+                                      for c in cells if c["phase"] != "T")
         expected = {(s, i, phase) for s in range(2 * v) for i in range(4) for phase in "FB"}
         assert set(counted) == expected and set(counted.values()) == {1}, counted
         text = (out / f"timeline_{schedule}_m4.txt").read_text()

@@ -203,15 +203,17 @@ def test_fill_drain_keeps_every_stage_state_on_its_device(remat, matmuls):
     # Float state of the backward loop (each weight's gradient sum: 2 layers x (w, b) per stage, and the boundary
     # gradients) lives on the stage devices.
     float32 = tf.float32.as_datatype_enum
-    float_state = collections.Counter(device for device, op, name, node in ops
-                                      if op == "Merge" and "while_grad/merge" in name and node.attr["T"].type == float32)
+    float_state = collections.Counter(
+        device for device, op, name, node in ops
+        if op == "Merge" and "while_grad/merge" in name and node.attr["T"].type == float32)
     assert float_state["CPU:0"] == 0 and float_state["CPU:1"] >= 4 and float_state["CPU:2"] >= 4, float_state
     # Each micro-batch, floats cross only from stage to stage (an activation forward, its gradient backward);
     # CPU:0 sends and receives only the loops' control (booleans, counters, control edges).
     crossings = collections.Counter()
     for device, op, name, node in ops:
         # Inside the loops: not a control edge, not a loop's final value (once per step).
-        inside = op == "_Send" and "while" in node.input[0] and not any(tag in node.input[0] for tag in ("/ctrl/", "/exit/"))
+        inside = op == "_Send" and "while" in node.input[0] and not any(
+            tag in node.input[0] for tag in ("/ctrl/", "/exit/"))
         if inside:
             recv = node.attr["recv_device"].s.decode().split("device:")[-1]
             crossings[(device, recv, tf.as_dtype(node.attr["T"].type).name, node.input[0])] += 1

@@ -1,6 +1,6 @@
 """Every schedule with the loss in the pipeline equals the un-pipelined model: FillDrain, OneForwardOneBackward,
-ZeroBubble, ZeroBubbleV and Interleaved, K in 1..4, M in {1, 2, 4, 8}, both remat policies, float64 and float32, the MLP and the
-conv stack."""
+ZeroBubble, ZeroBubbleV and Interleaved, K in 1..4, M in {1, 2, 4, 8}, both remat policies, float64 and float32,
+the MLP and the conv stack."""
 
 import collections
 

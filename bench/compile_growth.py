@@ -1,10 +1,13 @@
 """Trace + compile cost of a deep pipeline at growing M: the figure that decides which schedule scales.
 
 A 24-layer Transformer stack at toy width (d_model 64, 4 heads, FFN 256, sequence 16, batch 64), K=4 on 4 logical
-CPUs, remat always. For each M, the time to trace, compile and run the first training step, and the next step.
+CPUs, remat always. For each M, the time to trace, compile and run the first training step, and the next step. The
+loss (the mean square of the output) is handed to the pipeline (`GPipe.fprop_with_loss`), so the schedules whose
+loss runs inside their loop (1F1B, Interleaved, the zero-bubble ones) are measured with that loop.
 
   python -m bench.compile_growth                          # fill_drain at M=4 and M=32
   python -m bench.compile_growth --schedule unrolled --m 4  # the unrolled schedule (minutes, growing with M)
+  python -m bench.compile_growth --schedule zero_bubble_v   # any schedule by its short name
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ def measure(schedule: str, m: int) -> tuple[float, float]:
     import tensorflow as tf
 
     from gpipe_tf.gpipe.pipeline import GPipe
+    from gpipe_tf.gpipe.schedule_base import PipelineLoss
     from gpipe_tf.layers.base_layer import FPropContext
     from gpipe_tf.layers.transformer import TransformerEncoderLayer
 
@@ -29,14 +33,20 @@ def measure(schedule: str, m: int) -> tuple[float, float]:
                               devices=[f"/device:CPU:{i}" for i in range(4)], schedule=schedule).instantiate()
     ctx = FPropContext(training=True)
 
+    def squares(head: list, out: tf.Tensor, targets: dict, ctx: FPropContext) -> dict:
+        return {"loss": tf.reduce_sum(tf.square(out)) * targets["scale"][0]}
+
+    x = tf.random.stateless_normal([64, 16, 64], [1, 2])
+    size = float(x.shape.num_elements())
+
     @tf.function
     def step(x: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(pipe.fprop(pipe.theta, x, ctx)))
+            head = PipelineLoss(squares, (), {"scale": tf.ones([x.shape[0]])}, tf.constant(1.0 / size))
+            loss = pipe.fprop_with_loss(pipe.theta, x, head, ctx)["loss"] / size
         grads = tape.gradient(loss, pipe.trainable_variables)
         return loss + 0.0 * tf.add_n([tf.reduce_sum(g) for g in grads])
 
-    x = tf.random.stateless_normal([64, 16, 64], [1, 2])
     start = time.perf_counter()
     step(x).numpy()
     first = time.perf_counter() - start
@@ -48,7 +58,8 @@ def measure(schedule: str, m: int) -> tuple[float, float]:
 def main() -> None:
     """Prints one line per M and the growth of the first-step time from the smallest to the largest M."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedule", default="fill_drain", help="GPipe schedule: fill_drain or unrolled")
+    parser.add_argument("--schedule", default="fill_drain", help="GPipe schedule by short name (fill_drain, "
+                        "unrolled, one_f_one_b, interleaved, zero_bubble, zero_bubble_v)")
     parser.add_argument("--m", type=int, nargs="+", default=[4, 32], help="micro-batch counts to measure")
     args = parser.parse_args()
     from gpipe_tf import devices

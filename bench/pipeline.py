@@ -137,8 +137,9 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
 
     schedules = ("unrolled", "fill_drain")
     if args.peer:
-        # What ../shared/peers/torch_peer_bench.py runs: the one-worker step, and each schedule at K=2, M=8.
-        configs = [("transformer", 1, 1, "never", "unrolled")]
+        # What ../shared/peers/torch_peer_bench.py runs: the one-worker step, and each schedule at K=2, M=8; and
+        # the one-worker step at M=8, which separates the schedule from the cost of M smaller matmuls.
+        configs = [("transformer", 1, m, "never", "unrolled") for m in (1, 8)]
         configs += [("transformer", 2, 8, "never", sch) for sch in PEER_SCHEDULES]
         compile_ms = []
     elif args.compare:
@@ -155,12 +156,13 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         compile_ms = [4, 8, 16, 32]
     if not args.peer:
         configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
+    if not args.peer:  # the zero-bubble schedules on the weight-heavy workload too
+        configs += [("heavy", 2, 8, "never", sch) for sch in ("zero_bubble", "zero_bubble_v")]
     if not (args.compare or args.peer):
         # The schedules beyond fill-drain: 1F1B, ZeroBubble (ZB-H1) and ZeroBubbleV at K=2, M=8, interleaved v=2
-        # at K=2, M=4; the zero-bubble schedules on the weight-heavy workload too.
+        # at K=2, M=4.
         configs += [("transformer", 2, 8, "never", sch) for sch in ("one_f_one_b", "zero_bubble", "zero_bubble_v")]
         configs += [("transformer", 2, 4, "never", "fill_drain"), ("transformer", 2, 4, "never", "interleaved")]
-        configs += [("heavy", 2, 8, "never", sch) for sch in ("zero_bubble", "zero_bubble_v")]
     rows = []
     traced_lines = []
     with workers.LocalWorkers(2, profiler=True) as cluster:
@@ -201,7 +203,7 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                 remat_cost=round(t / no_remat, 3) if no_remat else None,
                 peak_memory_mb=None, compile_s=round(compile_s[(workload, k, m, remat, schedule)], 2),
                 flops_fraction=round(steps[(workload, k, m, remat, schedule)][2] / t / (k * peak), 3)))
-        for config in [c for c in TRACED if c in steps]:
+        for config in [] if args.peer else [c for c in TRACED if c in steps]:
             step, x, _ = steps[config]
             with tf.device(devices[config[1] - 1]):
                 shares = op_breakdown.trace_workers(cluster.profiler_addresses, lambda: step(x).numpy(), 6000)
@@ -436,10 +438,11 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         if schedule in deep and "one_f_one_b" in deep:
             out.append(f"peak memory K=4 M=16 no remat {schedule} / one_f_one_b: "
                        f"{deep[schedule] / deep['one_f_one_b']:.2f} ({deep[schedule]} / {deep['one_f_one_b']} MiB)")
-    at_8 = [(r["step_time_s"], r["schedule"], r["efficiency"]) for key, r in sorted(step.items())
-            if key[:4] == ("transformer", 2, 8, "never")]
-    if at_8 and all(e is not None for _, _, e in at_8):
-        out.append("K=2 M=8 remat=never step s (E): " + ", ".join(f"{sch} {t:.4f} ({e})" for t, sch, e in sorted(at_8)))
+    at_8 = [(r["step_time_s"], r["schedule"], r["efficiency"], r["efficiency_same_m"])
+            for key, r in sorted(step.items()) if key[:4] == ("transformer", 2, 8, "never")]
+    if at_8 and all(e is not None for _, _, e, _ in at_8):
+        out.append("K=2 M=8 remat=never step s (E, E same M): " + ", ".join(
+            f"{sch} {t:.4f} ({e}, {same})" for t, sch, e, same in sorted(at_8)))
     a, b = step.get(("transformer", 2, 4, "never", "interleaved")), step.get(("transformer", 2, 4, "never",
                                                                               "fill_drain"))
     if a and b and a["efficiency"] is not None:
@@ -459,8 +462,9 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="the configurations of the torch peer only: the "
                         "one-worker step and every schedule at K=2, M=8 without remat (run beside "
                         "../shared/peers/torch_peer_bench.py)")
-    parser.add_argument("--compare", action="store_true", help="the two schedules side by side only: K=2, M=8 on "
-                        "workload (a) with and without remat and on the weight-heavy workload (no memory part)")
+    parser.add_argument("--compare", action="store_true", help="FillDrain and Unrolled side by side only: K=2, M=8 "
+                        "on workload (a) with and without remat, and with the zero-bubble schedules on the "
+                        "weight-heavy workload (no memory part)")
     parser.add_argument("--skip-speed", action="store_true", help="memory only (one process, no workers)")
     parser.add_argument("--breakdown", action="store_true", help="only the one-worker step's time by op category "
                         "(matmul, attention, normalization, elementwise, transfer, idle)")

@@ -45,4 +45,3 @@ def step_order(value: Any, num_stages: int, path: str = "") -> ScheduleOrder:
     """The order data of the schedule a `schedule` field stands for (Params or a short name), on `num_stages`
     devices (`Schedule.step_order`)."""
     return schedule_params(value, path).instantiate(path).step_order(max(1, int(num_stages)))
-

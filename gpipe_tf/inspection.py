@@ -158,7 +158,7 @@ def inspect(params: Params, overrides: dict[str, Any] | None = None,
         stages, notes = _stages(pipe, plan, path)
         memory = _memory(params, pipe, path, stages, notes, device_memory)
         report.update(balance=list(plan.balance), cost_kind=plan.cost_kind, stages=stages, estimate_notes=notes,
-                      memory=memory)
+                      memory=memory, num_stages=plan.num_devices, chunk_devices=list(plan.chunk_devices))
     return report
 
 
@@ -169,7 +169,11 @@ def format_report(report: dict[str, Any]) -> str:
     for name, value in report.get("overrides", {}).items():
         lines.append(f"overrides --{name}: " + (", ".join(value) if isinstance(value, (list, tuple)) else value))
     if report["stages"]:
-        lines.append(f"pipeline {report['pipeline']}: K={len(report['stages'])} M={report['num_micro_batches']} "
+        k = report.get("num_stages", len(report["stages"]))
+        chunks = report.get("chunk_devices") or []
+        per_device = "" if len(chunks) <= k else (
+            f" x {len(chunks) // k} chunks per device (chunk devices {' '.join(map(str, chunks))})")
+        lines.append(f"pipeline {report['pipeline']}: K={k}{per_device} M={report['num_micro_batches']} "
                      f"remat={report['remat']}")
         lines.append(_balance_text(report))
         lines.append(f"{'stage':>5}  {'params':>16}  {'remat':<5}  {'activations (est.)':>18}  layers")

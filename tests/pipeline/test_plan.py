@@ -239,6 +239,19 @@ def test_chunks_go_to_the_devices_the_order_names():
         make_plan(p, chunk_devices=(0, 1, 1), num_replicas=None)
 
 
+def test_inspect_names_k_devices_and_the_chunks_each_holds():
+    # K is the devices, not the chunks: Interleaved and ZeroBubbleV put 2 chunks on each of K=2 devices.
+    p = GPipe.params().set(layers=linear_layers(4), num_stages=2, num_micro_batches=2, balance_by="params")
+    root = Params()
+    root.define("model", "test.chunks", "")
+    root.define("task", p, "")
+    for schedule, devices in (("zero_bubble_v", "0 1 1 0"), ("interleaved", "0 1 0 1")):
+        text = inspection.format_report(inspection.inspect(root.copy().set(task=p.copy().set(schedule=schedule))))
+        assert f"pipeline task: K=2 x 2 chunks per device (chunk devices {devices}) M=2" in text, text
+    text = inspection.format_report(inspection.inspect(root))
+    assert "pipeline task: K=2 M=2" in text, text
+
+
 def test_plan_is_frozen():
     plan = make_plan(GPipe.params().set(layers=linear_layers(), num_stages=2), num_replicas=None)
     assert isinstance(plan, StagePlan)

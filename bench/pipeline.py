@@ -137,7 +137,8 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
 
     schedules = ("unrolled", "fill_drain")
     if args.peer:
-        # What ../shared/peers/torch_peer_bench.py runs: the one-worker step, and each schedule at K=2, M=8; and
+        # The set a PyTorch peer on workload (a) measures (torch.distributed.pipelining's GPipe, 1F1B,
+        # Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble): the one-worker step, each schedule at K=2, M=8; and
         # the one-worker step at M=8, which separates the schedule from the cost of M smaller matmuls.
         configs = [("transformer", 1, m, "never", "unrolled") for m in (1, 8)]
         configs += [("transformer", 2, 8, "never", sch) for sch in PEER_SCHEDULES]
@@ -280,8 +281,7 @@ def memory_worker(quick: bool) -> None:
 
 
 TIMELINE_SCHEDULES = ("fill_drain", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v")
-# The schedules --peer runs at K=2, M=8, beside torch.distributed.pipelining's (GPipe, 1F1B, Interleaved1F1B,
-# InterleavedZeroBubble, ZBVZeroBubble).
+# The schedules --peer runs at K=2, M=8, to set beside torch.distributed.pipelining's on the same workload.
 PEER_SCHEDULES = ("fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v")
 CLOSE_POINTS = 5.0  # prediction and median measurement agree within this many percentage points
 
@@ -461,7 +461,7 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true", help="speed only")
     parser.add_argument("--peer", action="store_true", help="the configurations of the torch peer only: the "
                         "one-worker step and every schedule at K=2, M=8 without remat (run beside "
-                        "../shared/peers/torch_peer_bench.py)")
+                        "torch.distributed.pipelining's schedules on the same workload, in the same session)")
     parser.add_argument("--compare", action="store_true", help="FillDrain and Unrolled side by side only: K=2, M=8 "
                         "on workload (a) with and without remat, and with the zero-bubble schedules on the "
                         "weight-heavy workload (no memory part)")

@@ -372,13 +372,12 @@ def _check_schedule(t):
     return f, b
 
 
-def _as_soon_as_possible(t, f, b):
+def _as_soon_as_possible(t, cells):
     """Each cell starts after every dependency of the order data (`ScheduleOrder.dependencies`: its input, its
     output gradient, the stage's previous cell of the same phase, its in-flight window, its forward waits), and
     exactly when the last of them ended or its row's previous cell ended, whichever is later: the device never
-    idles while a cell could run."""
+    idles while a cell could run. `cells`: every cell keyed by (phase, pipeline stage, micro-batch)."""
     m = t.num_micro_batches
-    cells = {("F", s, i): c for (s, i), c in f.items()} | {("B", s, i): c for (s, i), c in b.items()}
     for row in range(t.num_stages):
         free = 0.0
         for c in t.stage_cells(row):
@@ -393,7 +392,7 @@ def test_every_schedule_runs_every_cell_once_in_dependency_order(schedule, v, k,
     t = predict(k, m, costs, remat=remat, schedule=schedule, virtual_stages=v)
     assert (t.schedule, t.virtual_stages) == (schedule, v)
     f, b = _check_schedule(t)
-    _as_soon_as_possible(t, f, b)
+    _as_soon_as_possible(t, {("F", s, i): c for (s, i), c in f.items()} | {("B", s, i): c for (s, i), c in b.items()})
     # Costs: a forward stage_costs[s], a backward 2x that, plus 1x where the stage recomputes.
     stage_costs = costs or [1.0] * (k * v)
     recompute = remat if isinstance(remat, list) else [remat] * (k * v)
@@ -558,13 +557,7 @@ def test_zero_bubble_v_turns_on_the_last_device_and_ends_on_the_first(k, m, cost
     assert len(cells) == len(t.cells)
     for (phase, s, i), c in cells.items():
         assert c.stage == min(s, stages - 1 - s), (phase, s, i)
-    for row in range(k):
-        free = 0.0
-        for c in t.stage_cells(row):
-            needs = t.order.dependencies(c.phase, t.pipeline_stage(c), c.micro_batch, m)
-            ready = max([cells[need].end for need in needs], default=0.0)
-            assert c.start == pytest.approx(max(free, ready), abs=1e-12), c
-            free = c.end
+    _as_soon_as_possible(t, cells)
     # The last stage's forward and the loss's backward run on device 0, right after each other.
     for i in range(m):
         assert cells["B", stages - 1, i].start >= cells["F", stages - 1, i].end - 1e-12

@@ -30,6 +30,9 @@ Where things live, and why (checked on the placed graph, `tests/test_pipeline.py
   are pushed on that device. Only boundary activations, their gradients and the loop control cross devices.
 * Rematerialization is the same op recomputing its forward pass in its gradient, once the boundary gradient
   has arrived (`remat.stage_op`; `remat.py` says why not `tf.recompute_grad`).
+* With `batch_weight_gradients`, the matmul weights' gradients are not summed in the backward loop: each matmul's
+  input and output gradient leave the loop as the gradients of TensorLists the forward reads placeholders from,
+  and after it each weight's gradient is one matmul on its stage's device (`batched_weights.RoutedStashes`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import loop_parts, microbatch, orders, placement
+from gpipe_tf.gpipe import batched_weights, loop_parts, microbatch, orders, placement
 from gpipe_tf.gpipe.leaves import float_leaves, is_float, with_float_leaves
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import stage_op
@@ -53,11 +56,15 @@ class FillDrain(Schedule, short_name="fill_drain"):
 
     @classmethod
     def params(cls) -> InstantiableParams:
-        """Default Params: parallel_iterations."""
+        """Default Params: parallel_iterations, batch_weight_gradients."""
         p = super().params()
         p.define("parallel_iterations", 1, "Loop iterations (micro-batches) each device runs at once. 1 (default): a "
                  "stage works on one micro-batch at a time while the other stages work on theirs; higher values "
                  "measured no faster on single-thread workers and use more memory.")
+        p.define("batch_weight_gradients", False, "Compute the weight gradients of matmul weights (Linear layers) "
+                 "once per step after the backward loop, as one matmul per weight over every micro-batch, instead "
+                 "of per micro-batch (batched W at the drain). Faster where weights are large and micro-batches "
+                 "small; each stage keeps every micro-batch's matmul inputs and output gradients until then.")
         return p
 
     def __init__(self, params: InstantiableParams, path: str = "") -> None:
@@ -66,21 +73,29 @@ class FillDrain(Schedule, short_name="fill_drain"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ParamsError(f"{path}.schedule.parallel_iterations={value!r} must be a whole number >= 1; use 1 "
                               "(the default)")
+        if not isinstance(self.p.batch_weight_gradients, bool):
+            raise ParamsError(f"{path}.schedule.batch_weight_gradients={self.p.batch_weight_gradients!r} must be "
+                              "True or False")
 
     def step_order(self, num_devices: int) -> ScheduleOrder:
-        """GPipe's order: every forward, then the backwards from the last micro-batch to the first."""
-        return orders.fill_drain(num_devices)
+        """GPipe's order: every forward, then the backwards from the last micro-batch to the first (with the
+        weight gradients batched after each stage's last backward if `batch_weight_gradients`)."""
+        order = orders.fill_drain(num_devices)
+        return orders.with_batched_weights(order) if self.p.batch_weight_gradients else order
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """Runs the job's micro-batches in one placed while loop; see the module doc."""
-        return run_loop(job, inputs, self.p.parallel_iterations)
+        return run_loop(job, inputs, self.p.parallel_iterations, self.p.batch_weight_gradients and job.training)
 
 
-def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1) -> tuple[Any, dict[str, Any] | None]:
+def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1,
+             batch_weight_gradients: bool = False) -> tuple[Any, dict[str, Any] | None]:
     """The fill-drain loop of the module doc on `job`: (outputs, summed aux statistics or None). Also the forward
     pass of the schedules that run their backward inside the forward (1F1B) when no gradient is taken.
 
     parallel_iterations: loop iterations (micro-batches) each device runs at once.
+    batch_weight_gradients: route the watched matmuls' inputs and output gradients out of the backward loop and
+      compute each weight's gradient once after it (`batched_weights.RoutedStashes`).
     """
     k, m = job.num_chunks, job.num_micro_batches
     devices, scopes = job.devices, job.stage_scopes
@@ -102,12 +117,17 @@ def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1) -> tup
             tape.watch(flat_weights + (xs if input_gradient else []))
             with tf.device(devices[0]):
                 micro = microbatch.split(with_float_leaves(inputs, xs), m)
+            routed = _routed_stashes(job, thetas, micro) if batch_weight_gradients else None
+            if routed is not None:
+                tape.watch(routed.sources)
 
-            def body(i: tf.Tensor, first: tf.Tensor, weights: tuple, *state: Any) -> tuple:
+            def body(i: tf.Tensor, first: tf.Tensor, weights: tuple, counters: tuple, *state: Any) -> tuple:
                 # One counter per end of the pipeline (first: the first stage's; i: the last stage's), so
-                # that what the backward keeps of each index stays on its stage's device.
+                # that what the backward keeps of each index stays on its stage's device; with batched weight
+                # gradients, one per stage (`counters`) for the index of its placeholders.
                 aux_sums, arrays = state[:num_aux], state[num_aux:]
                 first_next, _, h, micro_ctx = loop_parts.next_micro_batch(job, first, micro, bool(aux_spec))
+                counters_next = []
                 for s in range(k):
                     with placement.on_stage(scopes[s]):
                         # The stage's own copy of its input: what the backward keeps of it stays here.
@@ -115,7 +135,12 @@ def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1) -> tup
 
                         def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
                             return job.run_stage(s, ws, x, micro_ctx)
-                        h = stage_op(fn, weights[s], h, s > 0 or input_gradient, job.plan.remat[s], devices[s])
+                        stash, extra = None, []
+                        if routed is not None:
+                            counters_next.append(counters[s] + 1)
+                            stash, extra = routed.stash(s), routed.placeholders(s, counters_next[-1] - 1)
+                        h = stage_op(fn, list(weights[s]) + extra, h, s > 0 or input_gradient, job.plan.remat[s],
+                                     devices[s], stash)
                 with placement.on_stage(scopes[-1]):
                     i_next = i + 1
                     index = i_next - 1  # a tensor of this stage (the loop's own input would be kept elsewhere)
@@ -123,7 +148,7 @@ def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1) -> tup
                     if aux_spec:
                         stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec})
                         aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
-                return (i_next, first_next, weights, *aux_sums, *arrays)
+                return (i_next, first_next, weights, tuple(counters_next), *aux_sums, *arrays)
 
             with tf.device(devices[-1]):
                 arrays = tuple(tf.TensorArray(sp.dtype, size=m, element_shape=sp.shape) for sp in flat_spec)
@@ -131,9 +156,10 @@ def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1) -> tup
             condition = placement.host_device()
             # The weights are loop variables passed through unchanged: their gradient is a loop variable of the
             # backward loop that starts from the zeros below, on the stage's device, and sums there.
-            _, _, weights_out, *state = loop_parts.host_loop(
+            stage_counters = tuple(loop_parts.counters(devices)) if routed is not None else ()
+            _, _, weights_out, _, *state = loop_parts.host_loop(
                 body, (*loop_parts.counters([devices[-1], devices[0]]), tuple(tuple(ws) for ws in thetas),
-                       *aux_zeros, *arrays), m, parallel_iterations)
+                       stage_counters, *aux_zeros, *arrays), m, parallel_iterations)
             with tf.device(devices[-1]):
                 flat_out = [microbatch.merge(a.stack()) for a in state[num_aux:]]
         if aux_spec:
@@ -150,10 +176,14 @@ def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1) -> tup
                     ends += list(weights_out[s])
                     starts += [tf.zeros_like(w) for w in weights_out[s]]
             wrt = flat_weights + (xs if input_gradient else [])
+            sources = routed.sources if routed is not None else []
             # Counters and the outputs (TensorArrays) live on the last stage; so do their gradients.
             with placement.colocate_gradients(devices[-1], condition):
-                grads = tape.gradient(out_float + ends, wrt, output_gradients=dy + starts,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                grads = tape.gradient(out_float + ends, wrt + sources, output_gradients=dy + starts,
+                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
+            if routed is not None:  # W: one matmul per watched weight, on its stage's device
+                grads[:len(flat_weights)] = routed.add_weight_gradients(grads[len(wrt):], grads[:len(flat_weights)])
+            grads = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[:len(wrt)], wrt)]
             sums = grads[:len(flat_weights)]
             dx = grads[len(flat_weights):] if input_gradient else [tf.zeros_like(a) for a in xs]
             return list(dx) + list(sums)
@@ -165,3 +195,19 @@ def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1) -> tup
     outputs = tf.nest.pack_sequence_as(job.output_spec,
                                        [next(floats) if is_float(o) else o for o in result["out"]])
     return outputs, result.get("aux")
+
+
+def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
+                    micro: Any) -> batched_weights.RoutedStashes:
+    """The routing lists of batched weight gradients for `job`, from one trace of its stages on a micro-batch shaped
+    as `micro`'s elements."""
+    def forward(x: Any, stashes: list) -> Any:
+        ctx = job.micro_batch_context(tf.constant(0), bool(job.aux_spec))
+        for s in range(job.num_chunks):
+            with stashes[s].watching(thetas[s]):
+                x = job.run_stage(s, thetas[s], x, ctx)
+        return x
+
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro)
+    calls = batched_weights.discover_calls(forward, job.num_chunks, spec)
+    return batched_weights.RoutedStashes(job.devices, thetas, calls, job.num_micro_batches)

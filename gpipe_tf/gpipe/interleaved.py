@@ -41,6 +41,6 @@ class Interleaved(WindowedSchedule, short_name="interleaved"):
             raise ParamsError(f"{path}.schedule.virtual_stages={value!r} must be a whole number >= 1 (2 or more "
                               "interleaves; 1 is OneForwardOneBackward)")
 
-    def step_order(self, num_devices: int) -> ScheduleOrder:
+    def own_order(self, num_devices: int) -> ScheduleOrder:
         """Megatron-LM's interleaved order on v = virtual_stages chunks per device (`orders.interleaved`)."""
         return orders.interleaved(num_devices, self.p.virtual_stages)

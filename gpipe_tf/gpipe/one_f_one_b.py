@@ -21,8 +21,9 @@ from gpipe_tf.gpipe.windowed_loop import WindowedSchedule
 
 
 class OneForwardOneBackward(WindowedSchedule, short_name="one_f_one_b"):
-    """PipeDream-Flush's 1F1B order as one placed while loop: stage k holds at most K - k micro-batches. No knobs."""
+    """PipeDream-Flush's 1F1B order as one placed while loop: stage k holds at most K - k micro-batches. Knobs:
+    the windowed loop's (`batch_weight_gradients`)."""
 
-    def step_order(self, num_devices: int) -> ScheduleOrder:
+    def own_order(self, num_devices: int) -> ScheduleOrder:
         """1F1B: the loss per micro-batch, stage k holding at most K - k micro-batches (`orders.one_f_one_b`)."""
         return orders.one_f_one_b(num_devices)

@@ -22,6 +22,10 @@ then counts B only, so a stage's next forward need not wait for its weight gradi
 B(s, i) and W(s, i-1), in a bubble or beside later cells; `weight_window[s]` = u bounds how far W may lag:
 F(s, i) after W(s, i - u) (the loop's ring of u tokens), so at most u micro-batches' weight-gradient stashes wait.
 
+With `batched_weights` a stage's W cells run after its last B, as one batched matmul per weight over every
+micro-batch (`gpipe_tf/layers/weight_gradients.py`): W(s, i) after the stage's last B and W(s, i-1). Its cells
+are the batched work in M equal parts; the stashes for W (matmul inputs and output gradients) wait for all M.
+
 Within those, a device runs whatever cell is ready, one at a time, as a TensorFlow worker runs ops as their
 inputs arrive. Nothing here imports TensorFlow.
 """
@@ -58,6 +62,8 @@ class ScheduleOrder:
         gradients (B); None: B and W are one cell, the whole backward.
       chunk_devices: per pipeline stage, the device it runs on, each device holding v stages; None: stage s on
         device s mod K (round robin).
+      batched_weights: W runs after the stage's last backward, batched over all micro-batches (excludes
+        weight_window).
     """
 
     name: str
@@ -70,6 +76,7 @@ class ScheduleOrder:
     micro_batch_multiple: int = 1
     weight_window: tuple[int, ...] | None = None
     chunk_devices: tuple[int, ...] | None = None
+    batched_weights: bool = False
 
     def __post_init__(self) -> None:
         for field, value in (("num_devices", self.num_devices), ("virtual_stages", self.virtual_stages),
@@ -90,6 +97,10 @@ class ScheduleOrder:
             raise ParamsError(f"ScheduleOrder.chunk_devices={self.chunk_devices!r} is invalid: give the device of "
                               f"each of the {self.num_chunks} pipeline stages, each device in [0, {self.num_devices}) "
                               f"holding virtual_stages={self.virtual_stages} of them, or None for round robin")
+        if self.batched_weights and self.weight_window is not None:
+            raise ParamsError(f"ScheduleOrder.weight_window={self.weight_window!r} with batched_weights=True: batched "
+                              "weight gradients run after the last backward, so no window bounds them; give one "
+                              "of the two (`with_batched_weights` drops the window)")
         for s, t, lag in self.forward_waits:
             if not (0 <= s < self.num_chunks and 0 <= t < self.num_chunks and lag >= 1):
                 raise ParamsError(f"ScheduleOrder.forward_waits entry {(s, t, lag)!r} is invalid: stages in "
@@ -140,14 +151,16 @@ class ScheduleOrder:
     @property
     def phases(self) -> tuple[str, ...]:
         """The cells of one stage and micro-batch: ('F', 'B'), and 'W' with separate weight gradients."""
-        return (FORWARD, BACKWARD) if self.weight_window is None else (FORWARD, BACKWARD, WEIGHT)
+        split = self.weight_window is not None or self.batched_weights
+        return (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
 
     def dependencies(self, phase: str, stage: int, micro_batch: int, num_micro_batches: int) -> list[CellKey]:
         """The cells (phase, stage, micro_batch) that must end before this one starts; see the module doc."""
         s, i, m, last = stage, micro_batch, num_micro_batches, self.num_chunks - 1
         deps: list[CellKey] = []
         if phase == WEIGHT:
-            return [(BACKWARD, s, i)] + ([(WEIGHT, s, i - 1)] if i > 0 else [])
+            after = self.backward_micro_batch(m - 1, m) if self.batched_weights else i
+            return [(BACKWARD, s, after)] + ([(WEIGHT, s, i - 1)] if i > 0 else [])
         if phase == FORWARD:
             if s > 0:
                 deps.append((FORWARD, s - 1, i))
@@ -171,6 +184,11 @@ class ScheduleOrder:
     def backward_micro_batch(self, n: int, num_micro_batches: int) -> int:
         """The micro-batch of a stage's n-th backward in a step."""
         return num_micro_batches - 1 - n if self.backward_reversed else n
+
+
+def with_batched_weights(order: ScheduleOrder) -> ScheduleOrder:
+    """`order` with its weight gradients batched after each stage's last backward (and no weight window)."""
+    return dataclasses.replace(order, weight_window=None, batched_weights=True)
 
 
 def fill_drain(num_devices: int) -> ScheduleOrder:

@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.layers.weight_gradients import WeightStash
 
 POLICIES = ("never", "always", "except_last")
 
@@ -53,12 +54,12 @@ class StageForward:
     """
 
     def __init__(self, fn: StageFn, weights: Sequence[tf.Tensor], inputs: Any, input_gradient: bool,
-                 recompute: bool) -> None:
+                 recompute: bool, stash: WeightStash | None = None) -> None:
         self.fn, self.weights, self.inputs = fn, list(weights), inputs
-        self.input_gradient, self.recompute = input_gradient, recompute
+        self.input_gradient, self.recompute, self.stash = input_gradient, recompute, stash
         if recompute:
             self.tape, self.xs = None, []
-            self.outputs = fn(self.weights, inputs)
+            self.outputs = self._run(self.weights, inputs)
         else:
             self.outputs, self.tape, self.xs = self._recorded(self.weights, self._input_floats())
 
@@ -71,12 +72,21 @@ class StageForward:
         tape = tf.GradientTape(watch_accessed_variables=False, persistent=True)
         with tape:
             tape.watch(fresh + weights)
-            out = self.fn(weights, with_float_leaves(self.inputs, fresh) if self.input_gradient else self.inputs)
+            out = self._run(weights, with_float_leaves(self.inputs, fresh) if self.input_gradient else self.inputs)
         return out, tape, fresh
+
+    def _run(self, weights: list[tf.Tensor], inputs: Any) -> Any:
+        if self.stash is None:
+            return self.fn(weights, inputs)
+        with self.stash.watching(weights):
+            return self.fn(self.stash.weights(weights), inputs)
 
     def gradient(self, dys: Sequence[tf.Tensor], after: Sequence[Any] = ()) -> tuple[list[tf.Tensor],
                                                                                      list[tf.Tensor]]:
         """(input gradients, weight gradients) given `dys`, the gradients of the output's float leaves.
+
+        With a `stash`, the matmuls of watched weights leave their weight gradients to it (as `MatmulRecord`s
+        appended while this gradient is built), and a weight with no other use gets None here, not zeros.
 
         Nothing of it starts before `dys` and `after` (ops or tensors) exist: a recomputation runs only once it
         is needed, so TensorFlow cannot merge it with the forward pass, and its activations live only meanwhile.
@@ -84,25 +94,33 @@ class StageForward:
         dys = list(dys)
         if not self.recompute:
             with tf.control_dependencies(list(after)):
-                grads = self.tape.gradient(float_leaves(self.outputs), self.xs + self.weights, output_gradients=dys,
-                                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                grads = self._gradient(self.tape, float_leaves(self.outputs), self.xs, self.weights, dys)
             return grads[:len(self.xs)], grads[len(self.xs):]
         with tf.control_dependencies(list(after) + dys):
             # Copies made here: differentiating with respect to the forward pass's own weight tensors made
             # TensorFlow keep every micro-batch's weight gradients in the fill_drain backward loop.
-            weights = [tf.identity(w) for w in self.weights]
+            # A routing stash's placeholders are zeros made here, so that no forward tensor waits for them.
+            real = self.weights if self.stash is None else self.stash.weights(self.weights)
+            weights = [tf.identity(w) for w in real] + [tf.zeros(p.shape, p.dtype) for p in self.weights[len(real):]]
             out, tape, xs = self._recorded(weights, self._input_floats())
-        grads = tape.gradient(float_leaves(out), xs + weights, output_gradients=dys,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = self._gradient(tape, float_leaves(out), xs, weights, dys)
         return grads[:len(xs)], grads[len(xs):]
+
+    def _gradient(self, tape: tf.GradientTape, outputs: list[tf.Tensor], xs: list[tf.Tensor],
+                  weights: list[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor | None]:
+        unconnected = tf.UnconnectedGradients.ZERO if self.stash is None else tf.UnconnectedGradients.NONE
+        grads = tape.gradient(outputs, xs + weights, output_gradients=dys, unconnected_gradients=unconnected)
+        return [tf.zeros_like(x) if g is None else g for g, x in zip(grads[:len(xs)], xs)] + grads[len(xs):]
 
 
 def stage_op(fn: StageFn, weights: Sequence[tf.Tensor], inputs: Any, input_gradient: bool, recompute: bool,
-             device: str) -> Any:
+             device: str, stash: WeightStash | None = None) -> Any:
     """Runs `fn(weights, inputs)` as one op whose gradient (a `StageForward.gradient`) runs on `device`.
 
     For schedules whose backward TensorFlow builds (the gradient of a while loop): the op's gradient is the
-    stage's whole backward, recomputation included, so it stays one unit on the stage's device.
+    stage's whole backward, recomputation included, so it stays one unit on the stage's device. With a routing
+    `stash`, `weights` ends with its placeholders (`WeightStash.weights` strips them for `fn`), and their gradients
+    are the watched matmuls' inputs and output gradients; a watched weight's own gradient is then None.
     """
     floats = float_leaves(inputs) if input_gradient else []
     num_x = len(floats)
@@ -112,7 +130,7 @@ def stage_op(fn: StageFn, weights: Sequence[tf.Tensor], inputs: Any, input_gradi
     def op(*args: tf.Tensor) -> Any:
         xs, ws = list(args[:num_x]), list(args[num_x:])
         stage = StageForward(fn, ws, with_float_leaves(inputs, xs) if input_gradient else inputs, input_gradient,
-                             recompute)
+                             recompute, stash)
         structure.append(stage.outputs)
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:

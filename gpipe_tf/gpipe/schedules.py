@@ -10,6 +10,7 @@ from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.schedule_base import Schedule
 from gpipe_tf.gpipe.unrolled import Unrolled
+from gpipe_tf.gpipe.windowed_loop import WindowedSchedule
 from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.gpipe.zero_bubble_v import ZeroBubbleV
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
@@ -34,11 +35,14 @@ def schedule_params(value: Any, path: str = "") -> InstantiableParams:
 
 
 def schedule_name(value: Any, path: str = "") -> str:
-    """The one name a run's schedule is shown by (console, HParams): its class, with v for Interleaved, e.g.
-    'FillDrain' or 'Interleaved(virtual_stages=3)'."""
+    """The one name a run's schedule is shown by (console, HParams): its class, with v for Interleaved and batched
+    weight gradients when on, e.g. 'FillDrain', 'Interleaved(virtual_stages=3)' or
+    'ZeroBubble(batch_weight_gradients=True)'."""
     p = schedule_params(value, path)
-    name = p.cls.__name__
-    return f"{name}(virtual_stages={p.virtual_stages})" if issubclass(p.cls, Interleaved) else name
+    knobs = [f"virtual_stages={p.virtual_stages}"] if issubclass(p.cls, Interleaved) else []
+    if issubclass(p.cls, (WindowedSchedule, FillDrain)) and p.batch_weight_gradients:
+        knobs.append("batch_weight_gradients=True")
+    return f"{p.cls.__name__}({', '.join(knobs)})" if knobs else p.cls.__name__
 
 
 def step_order(value: Any, num_stages: int, path: str = "") -> ScheduleOrder:

@@ -27,22 +27,50 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import fill_drain, loop_parts, microbatch, placement
+from gpipe_tf.gpipe import batched_weights, fill_drain, loop_parts, microbatch, orders, placement
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import StageForward
 from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule, stopped_arguments
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.layers.weight_gradients import WeightStash
 
 
 class WindowedSchedule(Schedule):
-    """A schedule run by this loop: a subclass states only its order (`step_order`, with in-flight windows).
+    """A schedule run by this loop: a subclass states only its order (`own_order`, with in-flight windows).
 
     Training runs forward, loss and backward in this loop; outside training (evaluation, or a caller without a
     loss) there is no backward order to keep, and fill-drain's forward loop runs.
     """
 
     needs_output_spec = True  # fill-drain's forward loop preallocates the outputs
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        """Default Params: batch_weight_gradients."""
+        p = super().params()
+        p.define("batch_weight_gradients", False, "Compute the weight gradients of matmul weights (Linear layers: "
+                 "projections, attention, FFN) once per step after each stage's last backward, as one matmul per "
+                 "weight over every micro-batch, instead of per micro-batch (B/W split with batched W). Faster where "
+                 "weights are large and micro-batches small; each stage then keeps every micro-batch's matmul "
+                 "inputs and output gradients until its last backward.")
+        return p
+
+    def __init__(self, params: InstantiableParams, path: str = "") -> None:
+        super().__init__(params, path)
+        value = self.p.batch_weight_gradients
+        if not isinstance(value, bool):
+            raise ParamsError(f"{path}.schedule.batch_weight_gradients={value!r} must be True or False")
+
+    def own_order(self, num_devices: int) -> ScheduleOrder:
+        """The schedule's order on `num_devices` devices, before its knobs (`step_order` applies them)."""
+        raise NotImplementedError
+
+    def step_order(self, num_devices: int) -> ScheduleOrder:
+        """`own_order`, with its weight gradients batched if `batch_weight_gradients`."""
+        order = self.own_order(num_devices)
+        return orders.with_batched_weights(order) if self.p.batch_weight_gradients else order
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """The forward pass alone, as fill-drain's loop."""
@@ -75,6 +103,8 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
     input_gradient = job.input_gradient
     windows = order.in_flight
     weight_windows = order.weight_window  # None: the token of a backward also waits for its weight gradients
+    batched = order.batched_weights  # each stage's matmul weight gradients wait in its stash for the last backward
+    stash_layout = batched_weights.StashLayout(devices, job.stage_weights if batched else [[] for _ in range(k)])
     waits = {s: (t, lag) for s, t, lag in order.forward_waits}  # one forward ring per waiting stage
     waiting = sorted(waits)  # the stages with a forward ring, in loop-variable order
     fills = {}  # {stage t: [index into `waiting`]}: the rings the forward of t fills
@@ -96,8 +126,9 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
             seed = tf.constant(1.0) if loss.gradient_seed is None else tf.identity(loss.gradient_seed)
 
         def body(first: tf.Tensor, last: tf.Tensor, weights: tuple, head_w: tuple, rings: tuple,
-                 sums: tuple, head_sums: tuple, values: tuple, *state: Any) -> tuple:
+                 sums: tuple, head_sums: tuple, values: tuple, kept: tuple, *state: Any) -> tuple:
             tokens, forward_rings, weight_rings = rings
+            stashes = [WeightStash() if batched else None for _ in range(k)]
             new_forward_rings = list(forward_rings)
             aux_sums, arrays = state[:num_aux], state[num_aux:]
             first_next, index, h, micro_ctx = loop_parts.next_micro_batch(job, first, micro, bool(aux_spec))
@@ -113,7 +144,8 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
 
                     def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
                         return job.run_stage(s, ws, x, micro_ctx)
-                    records.append(StageForward(fn, weights[s], h, s > 0 or input_gradient, job.plan.remat[s]))
+                    records.append(StageForward(fn, weights[s], h, s > 0 or input_gradient, job.plan.remat[s],
+                                                stashes[s]))
                     h = records[-1].outputs
                     for j in fills.get(s, []):
                         with tf.control_dependencies(float_leaves(h)):
@@ -138,11 +170,14 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
                 head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(head_sums, grads[len(outs):]))
                 values = tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(values, names))
                 aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
-            new_sums, new_tokens, new_weight_rings = [None] * k, [None] * k, [()] * k
+            new_sums, new_tokens, new_weight_rings, new_kept = [None] * k, [None] * k, [()] * k, list(kept)
             for s in reversed(range(k)):
                 with placement.on_stage(scopes[s]), tf.name_scope("backward"):
                     dx, dw = records[s].gradient(dy)
-                    new_sums[s] = tuple(a + g for a, g in zip(sums[s], dw))
+                    # None: a weight whose whole gradient waits in the stash (batched W).
+                    new_sums[s] = tuple(a if g is None else a + g for a, g in zip(sums[s], dw))
+                    if batched:
+                        new_kept[s] = stash_layout.keep(s, kept[s], stashes[s].records)
                     # Split orders (B, then W): the next forwards wait for the input gradient (B) only, and for
                     # the weight gradients (W) of weight_windows[s] micro-batches back through their own ring.
                     # A first stage without an input gradient has no B: its token waits for W, as in 1F1B.
@@ -160,7 +195,7 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
                     arrays = tuple(a.write(index, d) for a, d in zip(arrays, dy))
             rings = (tuple(new_tokens), tuple(new_forward_rings), tuple(new_weight_rings))
             return (first_next, last_next, weights, head_w, rings,
-                    tuple(new_sums), head_sums, values, *aux_sums, *arrays)
+                    tuple(new_sums), head_sums, values, tuple(new_kept), *aux_sums, *arrays)
 
         initial_tokens, initial_sums, initial_weight_rings = [], [], []
         for s in range(k):
@@ -184,8 +219,10 @@ def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder)
         out = loop_parts.host_loop(
             body, (*loop_parts.counters([devices[0], devices[-1]]), tuple(tuple(ws) for ws in thetas),
                    tuple(head_ws), (tuple(initial_tokens), tuple(initial_forward_rings), tuple(initial_weight_rings)),
-                   tuple(initial_sums), head_zeros, value_zeros, *aux_zeros, *arrays), m, m)
-        _, _, _, _, _, grad_sums, head_sums, values, *state = out
+                   tuple(initial_sums), head_zeros, value_zeros, stash_layout.empty(), *aux_zeros, *arrays), m, m)
+        _, _, _, _, _, grad_sums, head_sums, values, kept, *state = out
+        if batched:  # W: each stage's batched weight gradients, after its last backward, on its device
+            grad_sums = [stash_layout.add_weight_gradients(s, kept[s], grad_sums[s], m) for s in range(k)]
         if aux_spec:
             result["aux"] = tf.nest.pack_sequence_as(aux_spec, state[:num_aux])
         dx_arrays = state[num_aux:]

@@ -20,9 +20,9 @@ from gpipe_tf.gpipe.windowed_loop import WindowedSchedule
 
 
 class ZeroBubbleV(WindowedSchedule, short_name="zero_bubble_v"):
-    """ZB-V: two chunks of layers per device in a V (device d: chunks d and 2K-1-d), W split off B. No knobs; the
-    model needs at least 2 x num_stages layers."""
+    """ZB-V: two chunks of layers per device in a V (device d: chunks d and 2K-1-d), W split off B. Knobs: the
+    windowed loop's (`batch_weight_gradients`); the model needs at least 2 x num_stages layers."""
 
-    def step_order(self, num_devices: int) -> ScheduleOrder:
+    def own_order(self, num_devices: int) -> ScheduleOrder:
         """ZB-V's order: `orders.zero_bubble_v`."""
         return orders.zero_bubble_v(num_devices)

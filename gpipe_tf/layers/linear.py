@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers import initializers
+from gpipe_tf.layers import initializers, weight_gradients
 from gpipe_tf.layers.activations import KEPT_COPIES, activation_fn
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 
@@ -38,8 +38,7 @@ class Linear(BaseLayer):
 
     def fprop(self, theta: Mapping[str, Any], inputs: tf.Tensor, ctx: FPropContext) -> tf.Tensor:
         """Projects the last dimension of `inputs` from input_dim to output_dim."""
-        out = tf.tensordot(inputs, theta["w"], axes=[[-1], [0]]) if inputs.shape.rank != 2 else tf.matmul(
-            inputs, theta["w"])
+        out = weight_gradients.matmul(inputs, theta["w"])  # its weight gradient may be batched (B/W split)
         if self.p.has_bias:
             out += theta["b"]
         return self._act(out)

@@ -12,9 +12,11 @@ def stashed_micro_batches(order: ScheduleOrder, num_micro_batches: int) -> list[
     No in-flight bound (FillDrain, Unrolled: every forward before any backward): M on every stage. A window w
     (1F1B: K - k; Interleaved: vK - s): min(M, w). With a weight window u (zero bubble), a stage also keeps the
     stashes of up to u micro-batches whose input gradient ran and whose weight gradients wait: min(M, w + u).
+    Batched weight gradients wait for the last backward: M (counted as whole stashes, an upper bound: what waits
+    is the matmuls' inputs and output gradients).
     """
     m = num_micro_batches
-    if order.in_flight is None:
+    if order.in_flight is None or order.batched_weights:
         return [m] * order.num_chunks
     waiting = order.weight_window or (0,) * order.num_chunks
     return [min(m, w + u) for w, u in zip(order.in_flight, waiting)]

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.batch_norm import BatchNorm
@@ -49,9 +50,13 @@ def make_task(network):
     return p.instantiate()
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "interleaved", "zero_bubble_v"])
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "interleaved", "zero_bubble_v",
+                                      pytest.param(("fill_drain", True), id="fill_drain+batched_w"),
+                                      pytest.param(("zero_bubble", True), id="zero_bubble+batched_w")])
 @pytest.mark.parametrize("remat", ["never", "always"])
 def test_moving_averages_after_one_pipelined_step_use_full_batch_statistics(remat, schedule):
+    if isinstance(schedule, tuple):  # with batched weight gradients
+        schedule = SCHEDULES[schedule[0]].params().set(batch_weight_gradients=schedule[1])
     network = GPipe.params().set(layers=layers(), num_stages=2, num_micro_batches=M, remat=remat,
                                  devices=["/device:CPU:0", "/device:CPU:1"], schedule=schedule)
     task = make_task(network)

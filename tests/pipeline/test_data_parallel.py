@@ -12,6 +12,7 @@ import tensorflow as tf
 from gpipe_tf import experiment, workers
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.tasks.classifier import ClassifierTask
 from gpipe_tf.training import replicas
@@ -66,8 +67,12 @@ def test_two_replicas_of_two_stages_equal_one_unpipelined_model():
         assert relative(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("schedule", ["one_f_one_b", "interleaved", "zero_bubble_v"])
+@pytest.mark.parametrize("schedule", ["one_f_one_b", "interleaved", "zero_bubble_v",
+                                      pytest.param(("zero_bubble", True), id="zero_bubble+batched_w"),
+                                      pytest.param(("fill_drain", True), id="fill_drain+batched_w")])
 def test_two_replicas_of_a_loss_in_pipeline_schedule_equal_one_unpipelined_model(schedule):
+    if isinstance(schedule, tuple):  # with batched weight gradients
+        schedule = SCHEDULES[schedule[0]].params().set(batch_weight_gradients=schedule[1])
     _, ref_losses, ref_vars = train(1, 1, 1)
     _, losses, got_vars = train(2, 2, 2, schedule=schedule)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -10,6 +10,7 @@ import tensorflow as tf
 from gpipe_tf import experiment
 from gpipe_tf.gpipe import placement
 from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.embedding import Embedding
@@ -174,10 +175,15 @@ def task_gradients(task, loss_scale=None):
     return [g.numpy() for g in fn(tf.constant(X))]
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "zero_bubble_v"])
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "zero_bubble_v",
+                                      pytest.param(("fill_drain", True), id="fill_drain+batched_w"),
+                                      pytest.param(("zero_bubble", True), id="zero_bubble+batched_w")])
 def test_float16_gradients_underflow_without_loss_scaling_and_match_float32_with_it(schedule):
     """1F1B runs its backward inside the pipeline, started from loss_scale / normalizer: the scale protects it
-    as it protects a tape's backward."""
+    as it protects a tape's backward. With batched weight gradients, float32 batches the matmuls' W and float16
+    (whose layers cast their weights) keeps W per micro-batch: both agree."""
+    if isinstance(schedule, tuple):
+        schedule = SCHEDULES[schedule[0]].params().set(batch_weight_gradients=schedule[1])
     ref = task_gradients(regression("float32", schedule))
     assert all(np.abs(r).max() > 0 for r in ref)
     # float16's smallest subnormal is 6e-8: the output gradients (about 1e-8) flush to zero, and so does every

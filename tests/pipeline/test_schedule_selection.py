@@ -12,6 +12,7 @@ from gpipe_tf import experiment
 from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
+from gpipe_tf.gpipe.schedules import schedule_name
 from gpipe_tf.gpipe.unrolled import Unrolled
 from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.gpipe.zero_bubble_v import ZeroBubbleV
@@ -63,6 +64,19 @@ def test_the_new_class_fields_are_settable_after_it_in_the_same_string(form):
             _schedule(f"task.network.schedule={name},task.network.schedule.parallel_iterations=2")
 
 
+@pytest.mark.parametrize("name", ["fill_drain", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v"])
+def test_batched_weight_gradients_are_set_from_the_command_line(name):
+    schedule = _schedule(f"task.network.schedule={name},task.network.schedule.batch_weight_gradients=True")
+    assert schedule.cls is CLASSES[name] and schedule.batch_weight_gradients is True
+    v = "virtual_stages=2, " if name == "interleaved" else ""
+    assert schedule_name(schedule) == f"{CLASSES[name].__name__}({v}batch_weight_gradients=True)"
+
+
+def test_unrolled_has_no_batched_weight_gradients():
+    with pytest.raises(ParamsError, match="unknown param 'task.network.schedule.batch_weight_gradients'"):
+        _schedule("task.network.schedule=unrolled,task.network.schedule.batch_weight_gradients=True")
+
+
 def test_a_bad_schedule_name_or_class_is_one_line_naming_the_choices():
     with pytest.raises(ParamsError) as info:
         _schedule("task.network.schedule=interleave")
@@ -110,6 +124,7 @@ def test_a_trainer_run_shows_the_schedule_that_ran_in_hparams_params_txt_and_con
     text = open(os.path.join(logdir, "params.txt")).read()
     lines = [line for line in text.splitlines() if line.startswith("task.network.schedule")]
     assert lines == ["task.network.schedule : InstantiableParams(gpipe_tf.gpipe.interleaved.Interleaved)",
+                     "task.network.schedule.batch_weight_gradients : False",
                      "task.network.schedule.virtual_stages : 3"]
     values = session_hparams(logdir)
     assert values["pipeline.schedule"] == "Interleaved(virtual_stages=3)"

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from gpipe_tf.experiment import resolve_params
 from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.inspection import inspect
 from gpipe_tf.layers.base_layer import FPropContext
@@ -76,10 +77,15 @@ def test_pipelined_equals_unpipelined_loss_and_gradients(share):
 
 
 @pytest.mark.parametrize("schedule,k,m", [("one_f_one_b", 2, 2), ("one_f_one_b", 2, 4), ("interleaved", 2, 2),
-                                        ("zero_bubble", 2, 4), ("zero_bubble_v", 2, 4)])
+                                        ("zero_bubble", 2, 4), ("zero_bubble_v", 2, 4),
+                                        pytest.param("zero_bubble_v+batched_w", 2, 4, id="zero_bubble_v+batched_w"),
+                                        pytest.param("fill_drain+batched_w", 2, 4, id="fill_drain+batched_w")])
 def test_loss_in_the_pipeline_per_micro_batch_equals_unpipelined(schedule, k, m):
     """Padding weights combine per micro-batch exactly as in the full-batch loss (the micro-batches here hold
-    different numbers of real tokens), the metric too."""
+    different numbers of real tokens), the metric too; with batched weight gradients (the attention and FFN
+    projections' W over all micro-batches) too."""
+    if schedule.endswith("+batched_w"):
+        schedule = SCHEDULES[schedule[:-len("+batched_w")]].params().set(batch_weight_gradients=True)
     batch = tiny_batch()
     ref = loss_and_grads(tiny_task(k=1, m=1), batch, training=True)
     got = loss_and_grads(tiny_task(k=k, m=m, schedule=schedule), batch, training=True)

@@ -1,0 +1,171 @@
+"""Batched weight gradients (W) for the loops whose backward runs inside the loop (`windowed_loop.py`).
+
+With `ScheduleOrder.batched_weights`, each stage's matmul weights leave their gradients to a `WeightStash`
+(`gpipe_tf/layers/weight_gradients.py`): every micro-batch's backward records, per watched matmul, its input x and
+output gradient dy. The loop writes them into TensorArrays that are loop variables made on the stage's device
+(one pair per float dtype of the stage's weights), and after the loop, still on that device, each weight's
+gradient is one matmul over all micro-batches' pairs: dW = X^T dY. The loop's own sums keep every other part of
+the gradients (biases, normalization weights, a weight's non-matmul uses), to which W is added.
+
+Memory: a stage keeps its matmuls' inputs and output gradients of all M micro-batches until the loop ends, as
+GPipe keeps its stashes; the gain is time where weights are large and micro-batches small (M matmuls and M
+additions into a running sum become one matmul per weight).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import list_ops  # TensorLists with uninitialized elements: no public API reads them
+
+from gpipe_tf.layers.weight_gradients import MatmulCall, MatmulRecord, WeightStash, weight_gradient
+
+
+class StashLayout:
+    """The TensorArrays of each stage's stashed (x, dy) pairs, and where the loop's trace put each record.
+
+    Records are written in the order a stage's gradient builds them, R per dtype group per micro-batch, so the
+    pair of record position p in iteration n is element n * R + p of its group's arrays.
+    """
+
+    def __init__(self, devices: Sequence[str], stage_weights: Sequence[Sequence[tf.Tensor]]) -> None:
+        self.devices = list(devices)
+        self.dtypes = [sorted({w.dtype for w in ws if w.dtype.is_floating}, key=lambda d: d.name)
+                       for ws in stage_weights]
+        # Per stage, from the loop body's trace: (weight index, dtype group, position, input dim, output dim) per
+        # record, and the records per iteration of each dtype group.
+        self.layout: list[list[tuple[int, int, int, int, int]]] = [[] for _ in self.devices]
+        self.counts: list[list[int]] = [[0] * len(d) for d in self.dtypes]
+
+    def empty(self) -> tuple:
+        """The loop's initial stashes: per stage, per dtype group, an empty (inputs, output gradients) pair of
+        growing TensorArrays on the stage's device."""
+        stashes = []
+        for device, dtypes in zip(self.devices, self.dtypes):
+            with tf.device(device):
+                stashes.append(tuple(
+                    (tf.TensorArray(d, size=0, dynamic_size=True, infer_shape=False),
+                     tf.TensorArray(d, size=0, dynamic_size=True, infer_shape=False)) for d in dtypes))
+        return tuple(stashes)
+
+    def keep(self, stage: int, kept: tuple, records: Sequence[MatmulRecord]) -> tuple:
+        """`kept` (stage `stage`'s arrays) with this micro-batch's `records` appended; call on the stage's device."""
+        groups = list(kept)
+        bases = [pair[0].size() for pair in groups]
+        counts = [0] * len(groups)
+        layout = []
+        for record in records:
+            if record.x.dtype not in self.dtypes[stage]:
+                raise ValueError(f"stage {stage} stashed a matmul in {record.x.dtype.name}, which none of its "
+                                 f"weights has ({[d.name for d in self.dtypes[stage]]})")
+            g = self.dtypes[stage].index(record.x.dtype)
+            xs, dys = groups[g]
+            groups[g] = (xs.write(bases[g] + counts[g], record.x), dys.write(bases[g] + counts[g], record.dy))
+            layout.append((record.weight, g, counts[g], int(record.x.shape[-1]), int(record.dy.shape[-1])))
+            counts[g] += 1
+        self.layout[stage], self.counts[stage] = layout, counts
+        return tuple(groups)
+
+    def add_weight_gradients(self, stage: int, kept: tuple, sums: Sequence[tf.Tensor],
+                             num_micro_batches: int) -> tuple[tf.Tensor, ...]:
+        """`sums` (stage `stage`'s loop sums) plus each stashed weight's batched gradient, on the stage's device."""
+        by_weight: dict[int, tuple[list[tf.Tensor], list[tf.Tensor]]] = {}
+        with tf.device(self.devices[stage]), tf.name_scope("batched_weight_gradients"):
+            for weight, g, position, in_dim, out_dim in self.layout[stage]:
+                rows = tf.range(num_micro_batches) * self.counts[stage][g] + position
+                xs, dys = kept[g]
+                pair = by_weight.setdefault(weight, ([], []))
+                pair[0].append(tf.reshape(xs.gather(rows), [-1, in_dim]))
+                pair[1].append(tf.reshape(dys.gather(rows), [-1, out_dim]))
+            out = list(sums)
+            for weight, (x_blocks, dy_blocks) in sorted(by_weight.items()):
+                out[weight] = out[weight] + tf.cast(weight_gradient(x_blocks, dy_blocks), out[weight].dtype)
+        return tuple(out)
+
+
+class RoutedStashes:
+    """Batched weight gradients for a loop whose backward TensorFlow builds (fill-drain's), where nothing of the
+    backward can be collected: each watched matmul's x and dy leave the backward loop as the gradients of two
+    TensorLists the forward loop reads placeholders from (`WeightStash` routing).
+
+    Before the loop, one trace of the stages' forward pass on a micro-batch lists each stage's watched matmuls
+    (`WeightStash.calls`). Per call, two TensorLists of M uninitialized elements, shaped as x and dy, are made on
+    the stage's device; the tape watches them. In iteration i the stage reads element i of each (zeros; nothing is
+    stored) and hands them to its matmuls, whose gradients return x and dy in their place, so TensorFlow's loop
+    gradient sets element i of each list's gradient. After the backward loop the lists' gradients, stacked, are X
+    and dY of all micro-batches, and each weight's gradient is one matmul.
+    """
+
+    def __init__(self, job_devices: Sequence[str], stage_weights: Sequence[Sequence[tf.Tensor]],
+                 calls: Sequence[Sequence[MatmulCall]], num_micro_batches: int) -> None:
+        self.devices = list(job_devices)
+        self.calls = [list(c) for c in calls]
+        self.num_weights = [len(ws) for ws in stage_weights]
+        self.lists: list[list[tuple[tf.Tensor, tf.Tensor]]] = []
+        for device, stage_calls in zip(self.devices, self.calls):
+            with tf.device(device):
+                self.lists.append([(_reserve([c.rows, c.input_dim], c.dtype, num_micro_batches),
+                                    _reserve([c.rows, c.output_dim], c.dtype, num_micro_batches))
+                                   for c in stage_calls])
+
+    @property
+    def sources(self) -> list[tf.Tensor]:
+        """Every list, flat: what the tape must watch and differentiate with respect to."""
+        return [t for stage in self.lists for pair in stage for t in pair]
+
+    def stash(self, stage: int) -> WeightStash | None:
+        """A routing stash for stage `stage`, or None if it has no watched matmul."""
+        return WeightStash(routes=2 * len(self.calls[stage])) if self.calls[stage] else None
+
+    def placeholders(self, stage: int, index: tf.Tensor) -> list[tf.Tensor]:
+        """Element `index` of each of the stage's lists, in call order (x, dy, x, dy, ...): zeros."""
+        out = []
+        for call, pair in zip(self.calls[stage], self.lists[stage]):
+            for lst, dim in zip(pair, (call.input_dim, call.output_dim)):
+                out.append(list_ops.tensor_list_get_item(lst, index, call.dtype, element_shape=[call.rows, dim]))
+        return out
+
+    def add_weight_gradients(self, list_gradients: Sequence[Any], sums: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """`sums` (every stage's weight gradients, flat in stage order) plus the batched W computed from the lists'
+        gradients (`list_gradients`, in `sources` order), each on its stage's device."""
+        out, grads = list(sums), iter(list_gradients)
+        start = 0
+        for stage, (device, stage_calls) in enumerate(zip(self.devices, self.calls)):
+            by_weight: dict[int, tuple[list[tf.Tensor], list[tf.Tensor]]] = {}
+            with tf.device(device), tf.name_scope("batched_weight_gradients"):
+                for call in stage_calls:
+                    dx_list, dy_list = next(grads), next(grads)
+                    if dx_list is None or dy_list is None:
+                        continue  # the matmul's output did not reach the loss
+                    pair = by_weight.setdefault(call.weight, ([], []))
+                    for blocks, lst, dim in ((pair[0], dx_list, call.input_dim), (pair[1], dy_list, call.output_dim)):
+                        stacked = list_ops.tensor_list_stack(lst, call.dtype, element_shape=[call.rows, dim])
+                        blocks.append(tf.reshape(stacked, [-1, dim]))
+                for weight, (x_blocks, dy_blocks) in sorted(by_weight.items()):
+                    j = start + weight
+                    out[j] = (tf.cast(weight_gradient(x_blocks, dy_blocks), out[j].dtype) if out[j] is None
+                              else out[j] + tf.cast(weight_gradient(x_blocks, dy_blocks), out[j].dtype))
+            start += self.num_weights[stage]
+        return out
+
+
+def discover_calls(forward: Callable[[Any, list[WeightStash]], Any], num_stages: int,
+                   input_spec: Any) -> list[list[MatmulCall]]:
+    """Each stage's watched matmuls (`WeightStash.calls`), from one trace of `forward(x, stashes)` on a
+    micro-batch shaped as `input_spec`, where `forward` runs stage s inside `stashes[s].watching(...)`. A stage
+    whose matmuls' row counts are not static gets none (its weight gradients stay per micro-batch)."""
+    found: list[list[MatmulCall]] = []
+
+    def trace(x: Any) -> list[tf.Tensor]:
+        stashes = [WeightStash() for _ in range(num_stages)]
+        out = forward(x, stashes)
+        found[:] = [stash.calls for stash in stashes]
+        return tf.nest.flatten(out)
+
+    tf.function(trace, autograph=False).get_concrete_function(input_spec)
+    return [calls if all(c.rows is not None for c in calls) else [] for calls in found]
+
+
+def _reserve(shape: list, dtype: tf.DType, size: int) -> tf.Tensor:
+    return list_ops.tensor_list_reserve(shape, size, dtype)

@@ -1,0 +1,195 @@
+"""Batched weight gradients (B/W split, `batch_weight_gradients=True`): the deferred matmul's gradient parts, the
+order data, and every windowed schedule equal to the un-pipelined model with W batched over the micro-batches."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpipe_tf.gpipe import orders, schedules
+from gpipe_tf.gpipe.schedules import SCHEDULES
+from gpipe_tf.gpipe.timeline import predict
+from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.layers import weight_gradients
+from gpipe_tf.layers.transformer import TransformerEncoderLayer
+from gpipe_tf.memory.stash import stashed_micro_batches
+from tests.helpers.pipeline_models import DEVICES, mlp_layers
+from tests.pipeline.test_schedules import DEPTH, assert_same, build, data, loss_and_grads
+
+WINDOWED = ("one_f_one_b", "zero_bubble", "zero_bubble_v")
+KNOBBED = WINDOWED + ("interleaved", "fill_drain")  # the schedules with batch_weight_gradients
+
+
+def batched(name, **knobs):
+    return SCHEDULES[name].params().set(batch_weight_gradients=True, **knobs)
+
+
+# ---------------------------------------------------------------------------------------- the deferred matmul
+def deferred_gradients(x, w, extra_use):
+    """(dL/dx, dL/dw from the tape, the stash's records) of L = sum(sin(x @ w)) (+ sum(w^2) if extra_use)."""
+    stash = weight_gradients.WeightStash()
+
+    @tf.function
+    def run(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            with stash.watching([w]):
+                y = weight_gradients.matmul(x, w)
+            loss = tf.reduce_sum(tf.sin(y)) + (tf.reduce_sum(w * w) if extra_use else 0.0)
+        dx, dw = tape.gradient(loss, [x, w])
+        records = [(r.weight, r.x, r.dy) for r in stash.records]
+        stash.records.clear()
+        batched_w = weight_gradients.weight_gradient([r[1] for r in records], [r[2] for r in records])
+        return dx, dw, batched_w, [r[0] for r in records]
+
+    return run(x, w)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (2, 4, 3)])
+def test_a_watched_matmul_leaves_its_weight_gradient_to_the_stash(shape):
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=shape))
+    w = tf.constant(rng.normal(size=(3, 4)))
+    dx, dw, batched_w, weights = deferred_gradients(x, w, extra_use=False)
+    assert dw is None and [int(j) for j in weights] == [0]
+    y = np.tensordot(x.numpy(), w.numpy(), axes=[[-1], [0]])
+    dy = np.cos(y)
+    np.testing.assert_allclose(dx.numpy(), np.tensordot(dy, w.numpy().T, axes=[[-1], [0]]), rtol=1e-12)
+    np.testing.assert_allclose(batched_w.numpy(), x.numpy().reshape(-1, 3).T @ dy.reshape(-1, 4), rtol=1e-12)
+
+
+def test_other_uses_of_a_watched_weight_keep_their_gradient_on_the_tape():
+    rng = np.random.default_rng(1)
+    x, w = tf.constant(rng.normal(size=(5, 3))), tf.constant(rng.normal(size=(3, 4)))
+    _, dw, batched_w, _ = deferred_gradients(x, w, extra_use=True)
+    np.testing.assert_allclose(dw.numpy(), 2 * w.numpy(), rtol=1e-12)  # the sum(w^2) part only
+    dy = np.cos(x.numpy() @ w.numpy())
+    np.testing.assert_allclose(batched_w.numpy(), x.numpy().T @ dy, rtol=1e-12)
+
+
+def test_outside_a_stash_or_for_an_unwatched_weight_matmul_is_the_plain_product():
+    rng = np.random.default_rng(2)
+    x, w, other = (tf.constant(rng.normal(size=s)) for s in [(5, 3), (3, 4), (3, 4)])
+    stash = weight_gradients.WeightStash()
+    with tf.GradientTape() as tape:
+        tape.watch([w, other])
+        with stash.watching([other]):
+            y = weight_gradients.matmul(x, w)
+    np.testing.assert_allclose(tape.gradient(y, w).numpy(), x.numpy().T @ np.ones((5, 4)), rtol=1e-12)
+    assert stash.records == []
+
+
+# -------------------------------------------------------------------------------------------- the order data
+def test_batched_order_runs_w_after_each_stages_last_backward():
+    order = orders.with_batched_weights(orders.zero_bubble(2))
+    assert order.batched_weights and order.weight_window is None and order.phases == ("F", "B", "W")
+    assert order.dependencies("W", 1, 0, 4) == [("B", 1, 3)]
+    assert order.dependencies("W", 1, 2, 4) == [("B", 1, 3), ("W", 1, 1)]
+    assert ("W", 0, 0) not in order.dependencies("F", 0, 3, 4)  # no weight window: forwards never wait for W
+    drain = orders.with_batched_weights(orders.fill_drain(2))
+    assert drain.dependencies("W", 0, 3, 4) == [("B", 0, 0), ("W", 0, 2)]  # GPipe's drain ends at micro-batch 0
+    timeline = predict(order, 4, [1.0, 1.0])
+    for s in range(2):
+        last_b = max(c.end for c in timeline.cells if c.stage == s and c.phase == "B")
+        assert min(c.start for c in timeline.cells if c.stage == s and c.phase == "W") >= last_b
+    assert stashed_micro_batches(order, 8) == [8, 8]
+    with pytest.raises(ParamsError, match="weight_window=.*batched_weights=True"):
+        orders.ScheduleOrder("x", 2, in_flight=(2, 1), weight_window=(2, 1), batched_weights=True)
+
+
+@pytest.mark.parametrize("name", KNOBBED)
+def test_the_knob_is_a_bool_and_shows_in_the_order_and_the_name(name):
+    assert schedules.step_order(batched(name), 2).batched_weights
+    assert not schedules.step_order(name, 2).batched_weights
+    assert "batch_weight_gradients=True" in schedules.schedule_name(batched(name))
+    with pytest.raises(ParamsError, match=r"batch_weight_gradients='yes' must be True or False"):
+        SCHEDULES[name].params().set(batch_weight_gradients="yes").instantiate("net")
+
+
+# ------------------------------------------------------------------------------------ equal to the reference
+@pytest.fixture(scope="module")
+def reference():
+    x, targets, head = data("float64")
+    return x, targets, head, loss_and_grads(build(mlp_layers("float64", depth=DEPTH), "float64"), x, targets, head)
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "zero_bubble", "zero_bubble_v"])
+@pytest.mark.parametrize("remat", ["never", "always"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_mlp_float64_with_batched_w_equals_unpipelined(reference, k, m, remat, schedule):
+    x, targets, head, ref = reference
+    layer = build(mlp_layers("float64", depth=DEPTH), "float64", k, m, remat, batched(schedule))
+    assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule,k,m,remat", [("one_f_one_b", 2, 4, "never"), ("one_f_one_b", 3, 8, "always"),
+                                                ("interleaved", 2, 4, "always"), ("interleaved", 4, 8, "never")])
+def test_mlp_float64_other_windowed_schedules_with_batched_w(reference, schedule, k, m, remat):
+    x, targets, head, ref = reference
+    layer = build(mlp_layers("float64", depth=DEPTH), "float64", k, m, remat, batched(schedule))
+    assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)
+
+
+def transformer_layers(num=4):
+    return [TransformerEncoderLayer.params().set(model_dim=8, num_heads=2, hidden_dim=12) for _ in range(num)]
+
+
+@pytest.mark.parametrize("schedule,k,m,remat", [("zero_bubble", 2, 4, "never"), ("zero_bubble_v", 2, 2, "always"),
+                                                ("fill_drain", 2, 4, "never"), ("fill_drain", 3, 2, "always")])
+def test_transformer_stack_with_batched_w_equals_unpipelined(schedule, k, m, remat):
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.normal(size=(8, 5, 8)))
+    targets = {"y": tf.constant(rng.normal(size=(8,))), "w": tf.constant(rng.uniform(size=(8,)))}
+    head = tf.Variable(rng.normal(size=(40,)))
+    ref = loss_and_grads(build(transformer_layers(), "float64"), x, targets, head)
+    got = loss_and_grads(build(transformer_layers(), "float64", k, m, remat, batched(schedule)), x, targets, head)
+    assert_same(got, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "zero_bubble"])
+@pytest.mark.parametrize("batch", [True, False])
+def test_no_loop_computes_a_weight_gradient_matmul_the_step_computes_each_once(schedule, batch):
+    """With batched W each Linear weight (DEPTH of them) gets one X^T dY matmul, outside every loop, on its stage's
+    device, and no loop body holds one; per micro-batch, the loop bodies hold them all."""
+    x, targets, head = data("float64")
+    knobs = SCHEDULES[schedule].params().set(batch_weight_gradients=batch)
+    layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, 4, "never", knobs)
+    graph = _step_graph(layer, x, targets, head)
+
+    def weight_matmuls(ops):
+        return [op for op in ops if op.type == "MatMul" and op.get_attr("transpose_a")]
+    in_loops = weight_matmuls([op for fn in graph._functions.values() for op in fn.graph.get_operations()])
+    outside = weight_matmuls(graph.get_operations())
+    if not batch:
+        assert len(in_loops) == DEPTH and not outside
+        return
+    assert not in_loops and len(outside) == DEPTH
+    assert all("batched_weight_gradients" in op.name for op in outside)
+    assert {op.device.split("device:")[-1] for op in outside} == {d.split("device:")[-1] for d in DEVICES[:2]}
+
+
+def _step_graph(layer, x, targets, head):
+    from gpipe_tf.gpipe.schedule_base import PipelineLoss
+    from gpipe_tf.layers.base_layer import FPropContext
+    from tests.pipeline.test_schedules import head_fn
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = PipelineLoss(head_fn, (head,), targets, tf.constant(1.0, tf.float32))
+            total = layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]
+        return tape.gradient(total, layer.trainable_variables)
+
+    return step.get_concrete_function(x).graph
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "zero_bubble"])
+def test_the_graph_with_batched_w_does_not_grow_with_m(schedule):
+    from tests.helpers.pipeline_models import count_ops
+
+    x, targets, head = data("float64")
+    counts = []
+    for m in (2, 8):
+        layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, m, "never", batched(schedule))
+        counts.append(count_ops(_step_graph(layer, x, targets, head)))
+    assert counts[0] == counts[1]

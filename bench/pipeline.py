@@ -75,7 +75,7 @@ def build_step(workload: str, k: int, m: int, remat: str, devices: list[str], sc
 
     layers, shape = layer_params(workload)
     pipe = GPipe.params().set(name="net", layers=layers, num_stages=k, num_micro_batches=m, remat=remat,
-                              devices=devices[:k], schedule=schedule).instantiate()
+                              devices=devices[:k], schedule=schedule_value(schedule)).instantiate()
     variables = pipe.trainable_variables
     ctx = FPropContext(training=True)
     size = 1.0
@@ -141,6 +141,8 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         # Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble): the one-worker step, each schedule at K=2, M=8; and
         # the one-worker step at M=8, which separates the schedule from the cost of M smaller matmuls.
         configs = [("transformer", 1, m, "never", "unrolled") for m in (1, 8)]
+        # The one-worker M=8 step with batched W: half of it bounds any K=2, M=8 step of these kernels from below.
+        configs += [("transformer", 1, 8, "never", "fill_drain" + BATCHED_W)]
         configs += [("transformer", 2, 8, "never", sch) for sch in PEER_SCHEDULES]
         compile_ms = []
     elif args.compare:
@@ -157,8 +159,8 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         compile_ms = [4, 8, 16, 32]
     if not args.peer:
         configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
-    if not args.peer:  # the zero-bubble schedules on the weight-heavy workload too
-        configs += [("heavy", 2, 8, "never", sch) for sch in ("zero_bubble", "zero_bubble_v")]
+    if not args.peer:  # the zero-bubble schedules on the weight-heavy workload too, W per micro-batch and batched
+        configs += [("heavy", 2, 8, "never", sch) for sch in HEAVY_SCHEDULES]
     if not (args.compare or args.peer):
         # The schedules beyond fill-drain: 1F1B, ZeroBubble (ZB-H1) and ZeroBubbleV at K=2, M=8, interleaved v=2
         # at K=2, M=4.
@@ -229,12 +231,27 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     return rows, traced_lines
 
 
+# A schedule name with this suffix stands for the schedule with batch_weight_gradients=True (W batched over the
+# micro-batches after each stage's last backward), e.g. "zero_bubble+batched_w".
+BATCHED_W = "+batched_w"
+
+
+def schedule_value(schedule: str) -> Any:
+    """What GPipe's `schedule` field gets for a benchmark's schedule name: the short name itself, or for a name
+    ending in BATCHED_W, the schedule's Params with batch_weight_gradients=True."""
+    from gpipe_tf.gpipe import schedules
+
+    if schedule.endswith(BATCHED_W):
+        return schedules.schedule_params(schedule[:-len(BATCHED_W)]).set(batch_weight_gradients=True)
+    return schedule
+
+
 def step_order(schedule: str, k: int) -> Any:
-    """The order data (`orders.ScheduleOrder`) of the schedule a short name stands for, with its default knobs,
+    """The order data (`orders.ScheduleOrder`) of the schedule a benchmark's name stands for (`schedule_value`)
     on K devices."""
     from gpipe_tf.gpipe import schedules
 
-    return schedules.step_order(schedule, k)
+    return schedules.step_order(schedule_value(schedule), k)
 
 
 def bound(k: int, m: int, schedule: str) -> float:
@@ -282,7 +299,11 @@ def memory_worker(quick: bool) -> None:
 
 TIMELINE_SCHEDULES = ("fill_drain", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v")
 # The schedules --peer runs at K=2, M=8, to set beside torch.distributed.pipelining's on the same workload.
-PEER_SCHEDULES = ("fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v")
+PEER_SCHEDULES = ("fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v",
+                  "fill_drain" + BATCHED_W, "zero_bubble" + BATCHED_W, "zero_bubble_v" + BATCHED_W)
+# The schedules beyond Unrolled and FillDrain that every speed run times on the weight-heavy workload.
+HEAVY_SCHEDULES = ("zero_bubble", "zero_bubble_v", "fill_drain" + BATCHED_W, "zero_bubble" + BATCHED_W,
+                   "zero_bubble_v" + BATCHED_W)
 CLOSE_POINTS = 5.0  # prediction and median measurement agree within this many percentage points
 
 
@@ -430,7 +451,7 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"workload (a) K=2 M=8 remat=never step one_f_one_b / fill_drain: "
                    f"{a['step_time_s'] / b['step_time_s']:.3f}")
     base = step.get(("heavy", 2, 8, "never", "unrolled"))
-    for schedule in ("zero_bubble", "zero_bubble_v"):
+    for schedule in HEAVY_SCHEDULES:
         a = step.get(("heavy", 2, 8, "never", schedule))
         if a and base:
             out.append(f"weight-heavy step {schedule} / unrolled: {a['step_time_s'] / base['step_time_s']:.2f}")
@@ -443,6 +464,10 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     if at_8 and all(e is not None for _, _, e, _ in at_8):
         out.append("K=2 M=8 remat=never step s (E, E same M): " + ", ".join(
             f"{sch} {t:.4f} ({e}, {same})" for t, sch, e, same in sorted(at_8)))
+    one = [(r["schedule"], r["step_time_s"]) for key, r in sorted(step.items()) if key[:3] == ("transformer", 1, 8)]
+    if one:
+        out.append("one worker M=8 step s (half: the least a K=2 M=8 step can take with these kernels): " + ", ".join(
+            f"{sch} {t:.4f} ({t / 2:.4f})" for sch, t in one))
     a, b = step.get(("transformer", 2, 4, "never", "interleaved")), step.get(("transformer", 2, 4, "never",
                                                                               "fill_drain"))
     if a and b and a["efficiency"] is not None:

@@ -19,7 +19,33 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import list_ops  # TensorLists with uninitialized elements: no public API reads them
 
+from gpipe_tf.gpipe import orders
+from gpipe_tf.gpipe.orders import ScheduleOrder
+from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.weight_gradients import MatmulCall, MatmulRecord, WeightStash, weight_gradient
+
+KNOB = "batch_weight_gradients"
+
+
+def define_knob(p: InstantiableParams) -> InstantiableParams:
+    """Defines `batch_weight_gradients` (default False) on a schedule's Params: FillDrain's and the windowed loop's."""
+    p.define(KNOB, False, "Compute the weight gradients of matmul weights (Linear layers: projections, attention, "
+             "FFN) once per step after each stage's last backward, as one matmul per weight over every micro-batch, "
+             "instead of per micro-batch (B/W split with batched W). Faster where weights are large and "
+             "micro-batches small; each stage then keeps every micro-batch's matmul inputs and output gradients "
+             "until its last backward.")
+    return p
+
+
+def check_knob(p: InstantiableParams, path: str) -> None:
+    """Raises ParamsError unless `batch_weight_gradients` is a bool."""
+    if not isinstance(p.get(KNOB), bool):
+        raise ParamsError(f"{path}.schedule.{KNOB}={p.get(KNOB)!r} must be True or False")
+
+
+def apply_knob(order: ScheduleOrder, p: InstantiableParams) -> ScheduleOrder:
+    """`order` with its weight gradients batched if the schedule's `batch_weight_gradients` is on."""
+    return orders.with_batched_weights(order) if p.get(KNOB) else order
 
 
 class StashLayout:
@@ -78,10 +104,7 @@ class StashLayout:
                 pair = by_weight.setdefault(weight, ([], []))
                 pair[0].append(tf.reshape(xs.gather(rows), [-1, in_dim]))
                 pair[1].append(tf.reshape(dys.gather(rows), [-1, out_dim]))
-            out = list(sums)
-            for weight, (x_blocks, dy_blocks) in sorted(by_weight.items()):
-                out[weight] = out[weight] + tf.cast(weight_gradient(x_blocks, dy_blocks), out[weight].dtype)
-        return tuple(out)
+            return tuple(_add_weight_gradients(sums, by_weight))
 
 
 class RoutedStashes:
@@ -129,10 +152,11 @@ class RoutedStashes:
     def add_weight_gradients(self, list_gradients: Sequence[Any], sums: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """`sums` (every stage's weight gradients, flat in stage order) plus the batched W computed from the lists'
         gradients (`list_gradients`, in `sources` order), each on its stage's device."""
-        out, grads = list(sums), iter(list_gradients)
+        out, grads = [], iter(list_gradients)
         start = 0
         for stage, (device, stage_calls) in enumerate(zip(self.devices, self.calls)):
             by_weight: dict[int, tuple[list[tf.Tensor], list[tf.Tensor]]] = {}
+            stage_sums = sums[start:start + self.num_weights[stage]]
             with tf.device(device), tf.name_scope("batched_weight_gradients"):
                 for call in stage_calls:
                     dx_list, dy_list = next(grads), next(grads)
@@ -142,10 +166,7 @@ class RoutedStashes:
                     for blocks, lst, dim in ((pair[0], dx_list, call.input_dim), (pair[1], dy_list, call.output_dim)):
                         stacked = list_ops.tensor_list_stack(lst, call.dtype, element_shape=[call.rows, dim])
                         blocks.append(tf.reshape(stacked, [-1, dim]))
-                for weight, (x_blocks, dy_blocks) in sorted(by_weight.items()):
-                    j = start + weight
-                    out[j] = (tf.cast(weight_gradient(x_blocks, dy_blocks), out[j].dtype) if out[j] is None
-                              else out[j] + tf.cast(weight_gradient(x_blocks, dy_blocks), out[j].dtype))
+                out += _add_weight_gradients(stage_sums, by_weight)
             start += self.num_weights[stage]
         return out
 
@@ -165,6 +186,17 @@ def discover_calls(forward: Callable[[Any, list[WeightStash]], Any], num_stages:
 
     tf.function(trace, autograph=False).get_concrete_function(input_spec)
     return [calls if all(c.rows is not None for c in calls) else [] for calls in found]
+
+
+def _add_weight_gradients(sums: Sequence[tf.Tensor | None],
+                          by_weight: dict[int, tuple[list[tf.Tensor], list[tf.Tensor]]]) -> list[tf.Tensor | None]:
+    """`sums` (one stage's) with weight j's X^T dY added from its (x blocks, dy blocks) in `by_weight`; a None
+    sum (no other gradient) becomes the batched gradient alone."""
+    out = list(sums)
+    for j, (x_blocks, dy_blocks) in sorted(by_weight.items()):
+        w = weight_gradient(x_blocks, dy_blocks)
+        out[j] = w if out[j] is None else out[j] + tf.cast(w, out[j].dtype)
+    return out
 
 
 def _reserve(shape: list, dtype: tf.DType, size: int) -> tf.Tensor:

@@ -61,11 +61,7 @@ class FillDrain(Schedule, short_name="fill_drain"):
         p.define("parallel_iterations", 1, "Loop iterations (micro-batches) each device runs at once. 1 (default): a "
                  "stage works on one micro-batch at a time while the other stages work on theirs; higher values "
                  "measured no faster on single-thread workers and use more memory.")
-        p.define("batch_weight_gradients", False, "Compute the weight gradients of matmul weights (Linear layers) "
-                 "once per step after the backward loop, as one matmul per weight over every micro-batch, instead "
-                 "of per micro-batch (batched W at the drain). Faster where weights are large and micro-batches "
-                 "small; each stage keeps every micro-batch's matmul inputs and output gradients until then.")
-        return p
+        return batched_weights.define_knob(p)
 
     def __init__(self, params: InstantiableParams, path: str = "") -> None:
         super().__init__(params, path)
@@ -73,15 +69,12 @@ class FillDrain(Schedule, short_name="fill_drain"):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ParamsError(f"{path}.schedule.parallel_iterations={value!r} must be a whole number >= 1; use 1 "
                               "(the default)")
-        if not isinstance(self.p.batch_weight_gradients, bool):
-            raise ParamsError(f"{path}.schedule.batch_weight_gradients={self.p.batch_weight_gradients!r} must be "
-                              "True or False")
+        batched_weights.check_knob(self.p, path)
 
     def step_order(self, num_devices: int) -> ScheduleOrder:
         """GPipe's order: every forward, then the backwards from the last micro-batch to the first (with the
         weight gradients batched after each stage's last backward if `batch_weight_gradients`)."""
-        order = orders.fill_drain(num_devices)
-        return orders.with_batched_weights(order) if self.p.batch_weight_gradients else order
+        return batched_weights.apply_knob(orders.fill_drain(num_devices), self.p)
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """Runs the job's micro-batches in one placed while loop; see the module doc."""

@@ -27,12 +27,12 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import batched_weights, fill_drain, loop_parts, microbatch, orders, placement
+from gpipe_tf.gpipe import batched_weights, fill_drain, loop_parts, microbatch, placement
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import StageForward
 from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule, stopped_arguments
-from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.hyperparams import InstantiableParams
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.weight_gradients import WeightStash
 
@@ -48,20 +48,12 @@ class WindowedSchedule(Schedule):
 
     @classmethod
     def params(cls) -> InstantiableParams:
-        """Default Params: batch_weight_gradients."""
-        p = super().params()
-        p.define("batch_weight_gradients", False, "Compute the weight gradients of matmul weights (Linear layers: "
-                 "projections, attention, FFN) once per step after each stage's last backward, as one matmul per "
-                 "weight over every micro-batch, instead of per micro-batch (B/W split with batched W). Faster where "
-                 "weights are large and micro-batches small; each stage then keeps every micro-batch's matmul "
-                 "inputs and output gradients until its last backward.")
-        return p
+        """Default Params: batch_weight_gradients (`batched_weights.define_knob`)."""
+        return batched_weights.define_knob(super().params())
 
     def __init__(self, params: InstantiableParams, path: str = "") -> None:
         super().__init__(params, path)
-        value = self.p.batch_weight_gradients
-        if not isinstance(value, bool):
-            raise ParamsError(f"{path}.schedule.batch_weight_gradients={value!r} must be True or False")
+        batched_weights.check_knob(self.p, path)
 
     def own_order(self, num_devices: int) -> ScheduleOrder:
         """The schedule's order on `num_devices` devices, before its knobs (`step_order` applies them)."""
@@ -69,8 +61,7 @@ class WindowedSchedule(Schedule):
 
     def step_order(self, num_devices: int) -> ScheduleOrder:
         """`own_order`, with its weight gradients batched if `batch_weight_gradients`."""
-        order = self.own_order(num_devices)
-        return orders.with_batched_weights(order) if self.p.batch_weight_gradients else order
+        return batched_weights.apply_knob(self.own_order(num_devices), self.p)
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """The forward pass alone, as fill-drain's loop."""

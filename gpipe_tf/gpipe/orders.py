@@ -21,6 +21,8 @@ previous stage waits for, and W(s, i), the weight gradients, which only the opti
 then counts B only, so a stage's next forward need not wait for its weight gradients, and W(s, i) runs after
 B(s, i) and W(s, i-1), in a bubble or beside later cells; `weight_window[s]` = u bounds how far W may lag:
 F(s, i) after W(s, i - u) (the loop's ring of u tokens), so at most u micro-batches' weight-gradient stashes wait.
+Where W runs within that bound is the worker's choice: TensorFlow's runs W's ops with B's, as their inputs arrive
+(`timeline.predict` draws both cases, `defer_weights`).
 
 With `batched_weights` a stage's W cells run after its last B, as one batched matmul per weight over every
 micro-batch (`gpipe_tf/layers/weight_gradients.py`): W(s, i) after the stage's last B and W(s, i-1). Its cells
@@ -133,7 +135,8 @@ class ScheduleOrder:
 
     def bubble_bound(self, num_micro_batches: int) -> float:
         """GPipe's bound, the idle fraction with equal stage costs: (K-1)/(vM+K-1) ((K-1)/(M+K-1) for v = 1).
-        Orders with separate weight gradients go below it by running W in the bubbles."""
+        Orders with separate weight gradients go below it where W waits for the bubbles
+        (`timeline.predict(..., defer_weights=True)`)."""
         k = self.num_devices
         return (k - 1) / (self.virtual_stages * num_micro_batches + k - 1)
 

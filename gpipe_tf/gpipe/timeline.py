@@ -4,12 +4,12 @@
 built from): every device runs one cell (a forward 'F' or backward 'B' of one micro-batch on one pipeline
 stage, and for zero-bubble orders its weight gradients 'W' apart from B) at a time, each cell as soon as its
 dependencies in the order have ended and its device is free, the device taking the cell that became ready
-first (a backward before a forward that became ready at the same instant, W last), as a TensorFlow worker runs
-ops as their inputs arrive. For fill-drain and 1F1B, equal stage costs give exactly GPipe's bubble
-(K-1)/(M+K-1), whatever the backward/forward ratio; interleaving v chunks per device lowers the bound to
-(K-1)/(vM+K-1) (reached at K=2), and zero-bubble orders go below GPipe's bound by running W in the
-bubbles. Unbalanced stages or per-stage rematerialization do worse, and `predict` shows by how much before
-anything is run.
+first (a backward before a forward that became ready at the same instant), as a TensorFlow worker runs ops as
+their inputs arrive. For fill-drain and 1F1B, equal stage costs give exactly GPipe's bubble (K-1)/(M+K-1),
+whatever the backward/forward ratio; interleaving v chunks per device lowers the bound to (K-1)/(vM+K-1)
+(reached at K=2). Zero-bubble orders go below GPipe's bound only where W waits for the bubbles, which
+TensorFlow's worker does not do with W per micro-batch (`predict`'s `defer_weights` draws both). Unbalanced
+stages or per-stage rematerialization do worse, and `predict` shows by how much before anything is run.
 
 `Timeline.measured` builds the same structure from measured cells (seconds), transfers ('T') included, so a
 profiled step can be drawn next to its prediction (`gpipe_tf.training.timeline_pictures` draws both).
@@ -276,11 +276,13 @@ def _check_remat(remat: Sequence[bool] | bool, count: int, count_text: str) -> l
             raise ParamsError(f"remat[{k}]={r!r} is invalid: it must be True or False")
     return [bool(r) for r in remat]
 
-def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> list[Cell]:
+def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]], defer_weights: bool) -> list[Cell]:
     """Every cell of `order` at its start: when its dependencies have ended and its device is free, the device
-    taking the cell that became ready first. Ties, and weight gradients (W, off the critical path): a device
-    takes F and B before W when both can start at once, then the cell ready first, a backward before a
-    forward, the lower micro-batch and stage.
+    taking the cell that became ready first. Ties: a backward before a forward, the lower micro-batch and stage.
+
+    Weight gradients per micro-batch (`ScheduleOrder.weight_window`) run as `predict` says: with
+    `defer_weights`, W is off the critical path and a device takes F and B before W when both can start at once;
+    without, W(s, i) runs right after B(s, i) and what waits for B(s, i) waits for W(s, i) too.
 
     Committing the cell that can start earliest is final: any cell not yet ready waits for a cell that starts
     no earlier, so nothing committed later could have started before it on the same device.
@@ -288,6 +290,10 @@ def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> li
     k, stages = order.num_devices, order.num_chunks
     keys = [(phase, s, i) for s in range(stages) for i in range(m) for phase in order.phases]
     deps = {key: order.dependencies(*key, m) for key in keys}
+    with_backward = order.weight_window is not None and not defer_weights
+    if with_backward:  # B and W as one backward: its end is W's
+        deps = {key: [(WEIGHT, s, i) if phase == BACKWARD and key[0] != WEIGHT else (phase, s, i)
+                      for phase, s, i in needs] for key, needs in deps.items()}
     dependents: dict[tuple, list[tuple]] = {key: [] for key in keys}
     for key, needs in deps.items():
         for need in needs:
@@ -298,7 +304,8 @@ def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> li
 
     def priority(key: tuple) -> tuple:
         phase, s, i = key
-        return max(free[order.device(s)], ready[key]), phase == WEIGHT, ready[key], phase != BACKWARD, i, s
+        late = phase == WEIGHT and not with_backward
+        return max(free[order.device(s)], ready[key]), late, phase != WEIGHT, ready[key], phase != BACKWARD, i, s
 
     while ready:
         key = min(ready, key=priority)
@@ -320,7 +327,8 @@ def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]]) -> li
 
 def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Sequence[float] | None = None,
             backward_ratio: float = 2.0, remat: Sequence[bool] | bool = False, *,
-            backward_costs: Sequence[float] | None = None, weight_fraction: float = 0.5) -> Timeline:
+            backward_costs: Sequence[float] | None = None, weight_fraction: float = 0.5,
+            defer_weights: bool = False) -> Timeline:
     """Simulates one step of a schedule's order and returns its timeline (see the module doc).
 
     F(s, i) costs stage_costs[s] (default 1.0 each); B(s, i) costs backward_ratio * stage_costs[s], plus
@@ -328,6 +336,14 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
     backward_costs[s] when given (e.g. measured). Where the order splits each backward into B and W
     (`ScheduleOrder.weight_window`), W(s, i) costs weight_fraction of the backward without its recomputation and
     B(s, i) the rest.
+
+    How W per micro-batch runs (`defer_weights`): the windowed loop computes a stage's B and W of one
+    micro-batch in one gradient, whose ops TensorFlow's worker runs as their inputs arrive: W's weight-gradient
+    matmuls become ready layer by layer beside B's, and the input gradient the previous stage waits for is the
+    last op. So by default W(s, i) runs right after B(s, i), and what waits for B(s, i) waits for W(s, i) too: a
+    zero-bubble order's bubble is then its windows' (1F1B's for ZB-H1). `defer_weights=True` draws what a
+    scheduler that holds W back would run (Qi et al.'s schedules: F and B before W, W in the bubbles), the bound
+    the order data allows. Batched W (`ScheduleOrder.batched_weights`) runs after each stage's last B either way.
 
     Args:
       order: the schedule's order (`Schedule.step_order(K)`, or `orders.fill_drain(K)` etc.); an int K stands
@@ -340,6 +356,8 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
       backward_costs: each pipeline stage's backward cost, instead of backward_ratio and remat.
       weight_fraction: the share of a backward that its weight gradients take, in (0, 1); read only by orders
         with separate W cells.
+      defer_weights: W per micro-batch runs where the order allows it, off the critical path, instead of right
+        after its B as TensorFlow runs it (see above).
 
     Raises:
       ParamsError: an argument is out of range or has the wrong length.
@@ -365,7 +383,10 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
         weight = [share * (b - (c if r and backward_costs is None else 0.0))
                   for b, c, r in zip(backward_cost, costs, recompute)]
         phase_costs = {FORWARD: costs, BACKWARD: [b - w for b, w in zip(backward_cost, weight)], WEIGHT: weight}
-    cells = _simulate(order, m, phase_costs)
+    if not isinstance(defer_weights, (bool, np.bool_)):
+        raise ParamsError(f"defer_weights={defer_weights!r} is invalid: it must be True (W where the order allows "
+                          "it) or False (W right after its B, as TensorFlow runs it)")
+    cells = _simulate(order, m, phase_costs, bool(defer_weights))
     cells.sort(key=lambda c: (c.start, c.stage))
     makespan = max(c.end for c in cells)
     bubble = 1.0 - m * (sum(costs) + sum(backward_cost)) / (k * makespan)

@@ -549,8 +549,9 @@ def test_chunk_devices_must_give_each_device_v_stages():
 def test_zero_bubble_v_turns_on_the_last_device_and_ends_on_the_first(k, m, costs):
     # ZB-V's order: 2K stages, device d holding stages d and 2K-1-d, each backward split into B and W. Every cell
     # runs once on its stage's device, after all its dependencies, as soon as the device is free; the V halves
-    # the fill and the drain, so the bubble is below both GPipe's bound for two chunks and ZB-H1's.
-    t = predict(k, m, costs, schedule="zero_bubble_v")
+    # the fill and the drain, so with W waiting for the bubbles the bubble is below both GPipe's bound for two
+    # chunks and ZB-H1's.
+    t = predict(k, m, costs, schedule="zero_bubble_v", defer_weights=True)
     stages = 2 * k
     cells = {(c.phase, t.pipeline_stage(c), c.micro_batch): c for c in t.cells}
     assert sorted(cells) == sorted((p, s, i) for s in range(stages) for i in range(m) for p in "FBW")
@@ -563,7 +564,7 @@ def test_zero_bubble_v_turns_on_the_last_device_and_ends_on_the_first(k, m, cost
         assert cells["B", stages - 1, i].start >= cells["F", stages - 1, i].end - 1e-12
     if k > 1 and costs is None:
         assert t.bubble_fraction < t.ideal_bubble_fraction()
-        assert t.bubble_fraction < predict(k, m, schedule="zero_bubble").bubble_fraction
+        assert t.bubble_fraction < predict(k, m, schedule="zero_bubble", defer_weights=True).bubble_fraction
 
 
 def test_titles_and_text_headers_name_the_schedule():
@@ -831,7 +832,7 @@ def test_zero_bubble_runs_weight_gradients_in_the_bubbles(k, m, costs):
     # ZB-H1's order: each backward splits into B (input gradient) and W (weight gradients, half of it here). Every
     # cell runs once, after all its dependencies, as soon as its device is free; W(s, i) after B(s, i) and at most
     # K - s micro-batches behind; the total work is 1F1B's, the makespan shorter wherever there is a bubble.
-    zb = predict(k, m, costs, schedule="zero_bubble")
+    zb = predict(k, m, costs, schedule="zero_bubble", defer_weights=True)
     one_f_one_b = predict(k, m, costs, schedule="one_f_one_b")
     keys = sorted((t_.phase, zb.pipeline_stage(t_), t_.micro_batch) for t_ in zb.cells)
     assert keys == sorted((p, s, i) for s in range(k) for i in range(m) for p in "FBW")
@@ -859,7 +860,7 @@ def test_zero_bubble_runs_weight_gradients_in_the_bubbles(k, m, costs):
 def test_zero_bubble_beats_gpipes_bound_at_two_stages_by_hand():
     # K=2, M=4, F = B = W = 1: stage 0 runs W of micro-batch i right after its B (its forwards wait on both), so
     # the drain's idle time shrinks: 14 units against 1F1B's 15, a bubble of 1 - 24/28 = 14.3% under GPipe's 20%.
-    t = predict(2, 4, schedule="zero_bubble")
+    t = predict(2, 4, schedule="zero_bubble", defer_weights=True)
     assert t.makespan == pytest.approx(14.0)
     assert t.bubble_fraction == pytest.approx(1 - 24 / 28) and t.ideal_bubble_fraction() == pytest.approx(0.2)
     lines = pictures.render_text(t).split("\n")
@@ -873,3 +874,45 @@ def test_zero_bubble_beats_gpipes_bound_at_two_stages_by_hand():
     assert tuple(grid[3, 20 * 4 + 3]) == pictures.cell_color("W", 0)  # stage 0, column 4: W of micro-batch 0
     with pytest.raises(ParamsError, match=r"weight_fraction=1.0 is invalid: it must be in \(0, 1\)"):
         predict(2, 4, schedule="zero_bubble", weight_fraction=1.0)
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zero_bubble_v"])
+@pytest.mark.parametrize("k,m,costs", [(2, 4, None), (2, 8, None), (3, 5, "random"), (4, 8, "random"), (1, 3, None)])
+def test_weight_gradients_per_micro_batch_run_right_after_their_input_gradients(schedule, k, m, costs):
+    # As TensorFlow runs the windowed loop (W per micro-batch): W(s, i) starts when B(s, i) ends, and every cell
+    # that waits for B(s, i) in the order data waits for W(s, i) too. So a zero-bubble order's step is that of the
+    # same order with B and W as one backward cell (no weight window), i.e. 1F1B's for ZB-H1, for any costs.
+    v = 2 if schedule == "zero_bubble_v" else 1
+    if costs == "random":
+        costs = list(np.random.default_rng(k * 10 + m).uniform(0.3, 2.0, k * v))
+    t = predict(k, m, costs, schedule=schedule)
+    cells = {(c.phase, t.pipeline_stage(c), c.micro_batch): c for c in t.cells}
+    assert sorted(cells) == sorted((p, s, i) for s in range(k * v) for i in range(m) for p in "FBW")
+    for (phase, s, i), c in cells.items():
+        if phase == "W":
+            assert c.start == pytest.approx(cells["B", s, i].end, abs=1e-12), c
+        for need in t.order.dependencies(phase, s, i, m):
+            if need[0] == "B" and phase != "W":
+                assert c.start >= cells[("W",) + need[1:]].end - 1e-12, (c, need)
+    whole = timeline.predict(dataclasses.replace(t.order, weight_window=None), m, costs)
+    assert t.makespan == pytest.approx(whole.makespan, rel=1e-12)
+    assert t.bubble_fraction == pytest.approx(whole.bubble_fraction, abs=1e-12)
+    if schedule == "zero_bubble":
+        assert t.makespan == pytest.approx(predict(k, m, costs, schedule="one_f_one_b").makespan, rel=1e-12)
+    if k > 1:  # the same work either way; where W waits for the bubbles, the step is shorter
+        deferred = predict(k, m, costs, schedule=schedule, defer_weights=True)
+        assert deferred.makespan < t.makespan
+
+
+def test_weight_gradients_with_their_input_gradients_by_hand():
+    # ZB-V, K=2, M=4, F = 1, B + W = 2 per chunk: W runs right after B, so device 1 (stages 1 and 2, the turn of
+    # the V) and device 0 (stages 0 and 3) pass B+W along as one backward: a makespan of 28 for 24 units of work
+    # on two devices, a bubble of 1 - 24/28 = 14.3%, above the bound for two chunks (11.1%); with W deferred
+    # into the bubbles it is 25 (4.0%).
+    t = predict(2, 4, schedule="zero_bubble_v")
+    assert t.makespan == pytest.approx(28.0) and t.bubble_fraction == pytest.approx(1 - 24 / 28)
+    assert predict(2, 4, schedule="zero_bubble_v", defer_weights=True).bubble_fraction == pytest.approx(1 / 25)
+    with pytest.raises(ParamsError, match=re.escape("defer_weights='yes' is invalid: it must be True (W where the "
+                                                    "order allows it) or False (W right after its B, as TensorFlow "
+                                                    "runs it)")):
+        predict(2, 4, schedule="zero_bubble_v", defer_weights="yes")

@@ -8,7 +8,8 @@ How a trace becomes cells:
 * An op belongs to a pipeline stage by its name scope (``gpipe<id>_stage<s>``, `placement.stage_scope`), to the
   backward pass where its name says it is a gradient (``gradient_tape/``, ``gradients/``, ``_grad/``,
   ``backward/``), else to the forward pass. Input and weight gradients carry the same names, so a zero-bubble
-  step's measured backward cells hold both B and W (its prediction splits them).
+  step's measured backward cells hold both B and W (its prediction draws W right after B, as the worker runs
+  them: `timeline.predict`).
 * The loop schedules (fill_drain, one_f_one_b, interleaved) run the same ops once per micro-batch, in micro-batch
   order on every stage, backwards in the order's backward order (`ScheduleOrder.backward_micro_batch`: last to
   first for fill-drain): the n-th run of an op in a step belongs to the n-th micro-batch of that order.
@@ -154,6 +155,35 @@ def _trace(profiler_addresses: Sequence[str], run_step: Callable[[], object], pa
     """Each worker's events while `run_step` runs steps `pause` seconds apart, traced for `duration` seconds."""
     with op_breakdown.worker_traces(profiler_addresses, run_step, int(1000 * duration), pause) as paths:
         return [op_breakdown.read_events(path) for path in paths]
+
+
+def to_json(measured: timeline.Timeline, schedule: str) -> dict:
+    """`measured` as JSON-ready data: the schedule's name (as `bench.pipeline` names it), K, M, v and every cell with
+    its op intervals, so that `from_json` can rebuild it and a later prediction can be set beside it."""
+    return dict(schedule=schedule, k=measured.num_stages, m=measured.num_micro_batches,
+                virtual_stages=measured.virtual_stages,
+                cells=[dict(row=c.stage, chunk=c.chunk, micro_batch=c.micro_batch, phase=c.phase, start=c.start,
+                            end=c.end, ops=[list(op) for op in c.ops]) for c in measured.cells])
+
+
+def from_json(data: dict, order: ScheduleOrder) -> timeline.Timeline:
+    """The measured timeline `to_json` wrote, for `order` (the schedule's `step_order(K)`).
+
+    Raises:
+      ValueError: the data lacks a field, or holds no op intervals (written before they were saved).
+    """
+    missing = [key for key in ("k", "m", "cells") if key not in data]
+    if missing:
+        raise ValueError(f"the saved timeline lacks {missing}: write it again with bench.pipeline --timeline")
+    if order.num_devices != data["k"]:
+        raise ValueError(f"the saved timeline ran on K={data['k']} workers but the {order.name} order given is for "
+                         f"K={order.num_devices}: pass the order for K={data['k']}")
+    cells = [timeline.Cell(c["row"], c["micro_batch"], c["phase"], c["start"], c["end"], c["chunk"],
+                           tuple((a, b) for a, b in c.get("ops", ()))) for c in data["cells"]]
+    if not any(c.ops for c in cells):
+        raise ValueError("the saved timeline has no op intervals (a file written before they were saved): its "
+                         "costs would count overlapping cells twice; write it again with bench.pipeline --timeline")
+    return timeline.Timeline.measured(order, data["m"], cells)
 
 
 def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:

@@ -13,6 +13,7 @@ configurations, so a slow moment of the machine hits all of them alike; compare 
   python -m bench.pipeline --skip-speed   # memory of workload (b) only
   python -m bench.pipeline --breakdown    # where the one-worker step's time goes, by op category, only
   python -m bench.pipeline --timeline     # measured vs predicted timeline of each schedule (PNG, text, JSON)
+  python -m bench.pipeline --repredict bench_timelines  # those measurements beside the current prediction
   python -m bench.pipeline --peer         # every schedule at K=2, M=8 and the one-worker step: torch's peer set
   python -m bench.pipeline --dxk          # D x K data parallelism on 4 logical CPUs (bench/data_parallel.py)
 """
@@ -20,6 +21,7 @@ configurations, so a slow moment of the machine hits all of them alike; compare 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -307,23 +309,32 @@ HEAVY_SCHEDULES = ("zero_bubble", "zero_bubble_v", "fill_drain" + BATCHED_W, "ze
 CLOSE_POINTS = 5.0  # prediction and median measurement agree within this many percentage points
 
 
+def _timeline_schedules(text: str) -> list[str]:
+    """The --schedules flag: names from TIMELINE_SCHEDULES, comma-separated."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    bad = [name for name in names if name not in TIMELINE_SCHEDULES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--schedules={text!r} is invalid: give one or more of "
+                                         f"{','.join(TIMELINE_SCHEDULES)}, comma-separated")
+    return names
+
+
 def timelines(args: argparse.Namespace) -> list[str]:
-    """Profiles `args.traced_steps` steps of each schedule (K=2, M in `args.micro_batches`, no remat) on faithful
-    devices and writes the median step's measured timeline beside its prediction (`bench/measured_timeline.py`) as
-    <out>/timeline_<schedule>_m<M>.png, .txt and .json (the measured cells); returns one line per configuration with
-    the median measured bubble, the predicted one (from the median step's measured costs), their distance in points
-    and the bound."""
+    """Profiles `args.traced_steps` steps of each schedule of `args.schedules` (K=2, M in `args.micro_batches`, no
+    remat) on faithful devices and writes the median step's measured timeline beside its prediction
+    (`bench/measured_timeline.py`) as <out>/timeline_<schedule>_m<M>.png, .txt and .json (the measured cells and
+    their ops, which `repredict` reads); returns one line per configuration with the median measured bubble, the
+    predicted one (from the median step's measured costs), their distance in points and the bound."""
     import tensorflow as tf
 
     from bench import measured_timeline
     from gpipe_tf import workers
-    from gpipe_tf.training import timeline_pictures
 
     os.makedirs(args.out, exist_ok=True)
     lines = []
     with workers.LocalWorkers(2, profiler=True) as cluster:
         devices = workers.connect(cluster.spec)
-        for schedule, k, m in [(s, 2, m) for s in TIMELINE_SCHEDULES for m in args.micro_batches]:
+        for schedule, k, m in [(s, 2, m) for s in args.schedules for m in args.micro_batches]:
             step, x, _ = build_step(args.workload, k, m, "never", devices, schedule)
             with tf.device(devices[k - 1]):
                 step(x).numpy()
@@ -339,26 +350,59 @@ def timelines(args: argparse.Namespace) -> list[str]:
                                                               seconds, m, order) for _ in range(args.traced_steps)),
                                 key=lambda t: t.bubble_fraction)
             measured = traced[len(traced) // 2]
-            predicted = measured_timeline.predicted_from(measured)
             base = os.path.join(args.out, f"timeline_{schedule}_m{m}")
-            with open(base + ".png", "wb") as f:
-                f.write(timeline_pictures.render_comparison_png(predicted, measured))
-            with open(base + ".txt", "w", encoding="utf-8") as f:
-                f.write(timeline_pictures.render_comparison_text(predicted, measured) + "\n")
             with open(base + ".json", "w", encoding="utf-8") as f:
-                json.dump(dict(schedule=schedule, k=k, m=m, virtual_stages=v, cells=[
-                    dict(row=c.stage, chunk=c.chunk, micro_batch=c.micro_batch, phase=c.phase, start=c.start,
-                         end=c.end) for c in measured.cells]), f)
-            points = 100 * abs(measured.bubble_fraction - predicted.bubble_fraction)
+                json.dump(measured_timeline.to_json(measured, schedule), f)
             each = "/".join(f"{t.bubble_fraction:.1%}" for t in traced)
-            lines.append(f"{args.workload} {schedule}{f' v={v}' if v > 1 else ''} K={k} M={m}: measured bubble "
-                         f"{measured.bubble_fraction:.1%} (median of {each}; idle incl. transfers "
-                         f"{measured.idle_fraction:.1%}) vs predicted {predicted.bubble_fraction:.1%}: "
-                         f"{points:.1f} points apart ({'within' if points <= CLOSE_POINTS else 'NOT within'} "
-                         f"{CLOSE_POINTS:.0f}); bound {measured.ideal_bubble_fraction():.1%}; step {seconds:.3f} s; "
-                         f"{base}.png")
+            lines.append(_timeline_line(args.workload, schedule, measured, base, f"median of {each}; ",
+                                        f"; step {seconds:.3f} s"))
             print(f"# {lines[-1]}", file=sys.stderr)
     return lines
+
+
+def repredict(directory: str, workload: str) -> list[str]:
+    """The predictions for the measured timelines a `--timeline` run saved in `directory` (timeline_*.json), made
+    again with the current `timeline.predict`, and the pictures drawn again beside them; one line per file, as
+    `timelines` prints (without the three steps' bubbles and the step time, which the files do not hold).
+
+    Raises:
+      FileNotFoundError: `directory` holds no timeline_*.json.
+    """
+    from bench import measured_timeline
+
+    paths = sorted(glob.glob(os.path.join(directory, "timeline_*.json")))
+    if not paths:
+        raise FileNotFoundError(f"--repredict={directory!r} holds no timeline_*.json: give the --out directory of "
+                                "a `python -m bench.pipeline --timeline` run")
+    saved = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        saved.append((TIMELINE_SCHEDULES.index(data["schedule"]), data["m"], path, data))
+    lines = []
+    for _, _, path, data in sorted(saved):
+        measured = measured_timeline.from_json(data, step_order(data["schedule"], data["k"]))
+        lines.append(_timeline_line(workload, data["schedule"], measured, path[:-len(".json")], "saved step; "))
+    return lines
+
+
+def _timeline_line(workload: str, schedule: str, measured: Any, base: str, steps: str, tail: str = "") -> str:
+    """Draws `measured` beside its prediction to <base>.png and .txt and returns the line that compares them."""
+    from bench import measured_timeline
+    from gpipe_tf.training import timeline_pictures
+
+    predicted = measured_timeline.predicted_from(measured)
+    with open(base + ".png", "wb") as f:
+        f.write(timeline_pictures.render_comparison_png(predicted, measured))
+    with open(base + ".txt", "w", encoding="utf-8") as f:
+        f.write(timeline_pictures.render_comparison_text(predicted, measured) + "\n")
+    points = 100 * abs(measured.bubble_fraction - predicted.bubble_fraction)
+    v, k, m = measured.virtual_stages, measured.num_stages, measured.num_micro_batches
+    return (f"{workload} {schedule}{f' v={v}' if v > 1 else ''} K={k} M={m}: measured bubble "
+            f"{measured.bubble_fraction:.1%} ({steps}idle incl. transfers {measured.idle_fraction:.1%}) vs predicted "
+            f"{predicted.bubble_fraction:.1%}: {points:.1f} points apart "
+            f"({'within' if points <= CLOSE_POINTS else 'NOT within'} {CLOSE_POINTS:.0f}); bound "
+            f"{measured.ideal_bubble_fraction():.1%}{tail}; {base}.png")
 
 
 def breakdown_worker(steps: int) -> None:
@@ -498,11 +542,16 @@ def main() -> None:
                         "workers, drawn beside the predicted ones")
     parser.add_argument("--micro-batches", type=lambda text: [int(m) for m in text.split(",")], default=[4, 8],
                         help="--timeline: the values of M, comma-separated (default 4,8)")
+    parser.add_argument("--schedules", type=_timeline_schedules, default=list(TIMELINE_SCHEDULES),
+                        help=f"--timeline: the schedules, comma-separated (default {','.join(TIMELINE_SCHEDULES)})")
     parser.add_argument("--traced-steps", type=int, default=3,
                         help="--timeline: traced steps per configuration; the median bubble is reported")
     parser.add_argument("--workload", default="transformer", choices=("transformer", "tiny"),
                         help="the workload of --timeline: workload (a), or a small MLP for a quick look")
     parser.add_argument("--out", default="bench_timelines", help="where --timeline writes its pictures")
+    parser.add_argument("--repredict", metavar="DIR", help="only the predictions again: for the measured timelines a "
+                        "--timeline run saved in DIR (no profiling), with the current timeline.predict; redraws the "
+                        "pictures there")
     parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--breakdown-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dxk", action="store_true", help="D x K mode instead: throughput of D=2,K=1 / D=1,K=2 / "
@@ -516,6 +565,10 @@ def main() -> None:
         return
     if args.breakdown_worker:
         breakdown_worker(args.steps)
+        return
+    if args.repredict:
+        for line in repredict(args.repredict, args.workload):
+            print(line)
         return
     if args.timeline:
         for line in timelines(args):

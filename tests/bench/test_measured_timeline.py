@@ -1,8 +1,10 @@
 """Measured timelines: trace events become (stage, micro-batch) cells, and `bench.pipeline --timeline` writes the
 measured picture beside the predicted one with every forward and backward exactly once."""
 
+import argparse
 import collections
 import json
+import re
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from bench import measured_timeline
+from bench import pipeline as bench_pipeline
 from gpipe_tf.gpipe import timeline
 from gpipe_tf.gpipe.schedules import schedule_params
 from tests.helpers.paths import ROOT
@@ -95,6 +98,9 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
                                       for c in cells if c["phase"] != "T")
         expected = {(s, i, phase) for s in range(2 * v) for i in range(4) for phase in "FB"}
         assert set(counted) == expected and set(counted.values()) == {1}, counted
+        for c in cells:  # each cell's op intervals, so that a saved run's prediction can be recomputed
+            assert all(c["start"] <= a <= b <= c["end"] for a, b in c["ops"]), c
+        assert all(c["ops"] for c in cells if c["phase"] != "T")
         text = (out / f"timeline_{schedule}_m4.txt").read_text()
         assert text.startswith("predicted: ") and "\n\nmeasured: " in text
         measured_rows = [row for row in text.split("\n\nmeasured: ")[1].splitlines()[1:] if "|" in row]
@@ -106,6 +112,17 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
                 assert f"{i}'" in cells_text or f"{i}a'" in cells_text or f"{i}b'" in cells_text, (schedule, row)
         image = tf.io.decode_png((out / f"timeline_{schedule}_m4.png").read_bytes())
         assert image.shape[0] > 150 and image.shape[1] > 600
+    # The saved cells give the same measured and predicted bubbles again, with no profiling.
+    again = subprocess.run([sys.executable, "-m", "bench.pipeline", "--repredict", str(out), "--workload", "tiny"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    repeated = [line for line in again.stdout.splitlines() if "measured bubble" in line]
+
+    def bubbles(line):
+        return re.search(r"measured bubble (\S+) .* vs predicted (\S+):", line).groups()
+
+    assert [bubbles(line) for line in repeated] == [bubbles(line) for line in lines], (repeated, lines)
+    assert all("(saved step; idle incl. transfers" in line for line in repeated)
 
 
 def test_a_stalled_step_is_skipped_for_a_whole_one(monkeypatch):
@@ -145,3 +162,31 @@ def test_interleaved_ops_count_as_each_cells_compute_not_its_span():
     # spans, F 0.03 and B 0.045, would give 0.15).
     assert predicted.makespan == pytest.approx(0.12)
     assert predicted.bubble_fraction == pytest.approx(0.0, abs=1e-9)
+
+
+def test_timeline_schedules_flag_names_the_allowed_values():
+    assert bench_pipeline._timeline_schedules("zero_bubble, zero_bubble_v") == ["zero_bubble", "zero_bubble_v"]
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(
+            "--schedules='zero_bubbel' is invalid: give one or more of fill_drain,one_f_one_b,interleaved,"
+            "zero_bubble,zero_bubble_v, comma-separated")):
+        bench_pipeline._timeline_schedules("zero_bubbel")
+
+
+def test_saved_timelines_round_trip_and_old_files_are_refused(tmp_path):
+    order = _order("one_f_one_b", 2)
+    cells = [timeline.Cell(0, 0, "F", 0.0, 1.0, ops=((0.0, 0.5), (0.6, 1.0))), timeline.Cell(1, 0, "F", 1.0, 2.0),
+             timeline.Cell(1, 0, "B", 2.0, 4.0, ops=((2.0, 4.0),)), timeline.Cell(0, 0, "B", 4.0, 6.0),
+             timeline.Cell(0, None, "T", 1.0, 1.1)]
+    measured = timeline.Timeline.measured(order, 1, cells)
+    data = json.loads(json.dumps(measured_timeline.to_json(measured, "one_f_one_b")))
+    back = measured_timeline.from_json(data, order)
+    assert back.cells == measured.cells and back.bubble_fraction == measured.bubble_fraction
+    with pytest.raises(ValueError, match="the saved timeline ran on K=2 workers but the one_f_one_b order given is "
+                                         "for K=3: pass the order for K=2"):
+        measured_timeline.from_json(data, _order("one_f_one_b", 3))
+    for c in data["cells"]:
+        del c["ops"]
+    with pytest.raises(ValueError, match="the saved timeline has no op intervals"):
+        measured_timeline.from_json(data, order)
+    with pytest.raises(FileNotFoundError, match="holds no timeline_\\*.json: give the --out directory"):
+        bench_pipeline.repredict(str(tmp_path), "tiny")

@@ -378,6 +378,9 @@ def repredict(directory: str, workload: str) -> list[str]:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
+        if data.get("schedule") not in TIMELINE_SCHEDULES:
+            raise ValueError(f"{path} holds schedule={data.get('schedule')!r}: --repredict reads the files of "
+                             f"--timeline, whose schedules are {', '.join(TIMELINE_SCHEDULES)}")
         saved.append((TIMELINE_SCHEDULES.index(data["schedule"]), data["m"], path, data))
     lines = []
     for _, _, path, data in sorted(saved):

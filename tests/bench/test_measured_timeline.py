@@ -190,3 +190,7 @@ def test_saved_timelines_round_trip_and_old_files_are_refused(tmp_path):
         measured_timeline.from_json(data, order)
     with pytest.raises(FileNotFoundError, match="holds no timeline_\\*.json: give the --out directory"):
         bench_pipeline.repredict(str(tmp_path), "tiny")
+    (tmp_path / "timeline_mine_m4.json").write_text(json.dumps(dict(data, schedule="mine")))
+    with pytest.raises(ValueError, match="holds schedule='mine': --repredict reads the files of --timeline, whose "
+                                         "schedules are fill_drain, one_f_one_b"):
+        bench_pipeline.repredict(str(tmp_path), "tiny")

@@ -345,7 +345,6 @@ def timelines(args: argparse.Namespace) -> list[str]:
                     times.append(time.perf_counter() - start)
                 seconds = statistics.median(times)
                 order = step_order(schedule, k)
-                v = order.virtual_stages
                 traced = sorted((measured_timeline.trace_step(cluster.profiler_addresses, lambda: step(x).numpy(),
                                                               seconds, m, order) for _ in range(args.traced_steps)),
                                 key=lambda t: t.bubble_fraction)

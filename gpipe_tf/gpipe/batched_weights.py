@@ -40,7 +40,8 @@ def define_knob(p: InstantiableParams) -> InstantiableParams:
 def check_knob(p: InstantiableParams, path: str) -> None:
     """Raises ParamsError unless `batch_weight_gradients` is a bool."""
     if not isinstance(p.get(KNOB), bool):
-        raise ParamsError(f"{path}.schedule.{KNOB}={p.get(KNOB)!r} must be True or False")
+        raise ParamsError(f"{path}.schedule.{KNOB}={p.get(KNOB)!r} must be True or False: use True to batch the "
+                          "matmul weight gradients after each stage's last backward, or False (the default)")
 
 
 def apply_knob(order: ScheduleOrder, p: InstantiableParams) -> ScheduleOrder:

@@ -101,7 +101,7 @@ def test_the_knob_is_a_bool_and_shows_in_the_order_and_the_name(name):
     assert schedules.step_order(batched(name), 2).batched_weights
     assert not schedules.step_order(name, 2).batched_weights
     assert "batch_weight_gradients=True" in schedules.schedule_name(batched(name))
-    with pytest.raises(ParamsError, match=r"batch_weight_gradients='yes' must be True or False"):
+    with pytest.raises(ParamsError, match=r"batch_weight_gradients='yes' must be True or False: use True to batch"):
         SCHEDULES[name].params().set(batch_weight_gradients="yes").instantiate("net")
 
 

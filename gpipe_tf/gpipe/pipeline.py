@@ -9,8 +9,10 @@ their gradients between devices:
 * `FillDrain` (`fill_drain.py`, the default): one while loop over micro-batches and TensorFlow's gradient of it;
   graph and trace time constant in M.
 * `Unrolled` (`unrolled.py`): every (stage, micro-batch) step is its own op group with an explicit backward
-  order; the graph grows with M, but on single-thread TF workers its backward overlaps the stages better
-  without remat (README "How the pipeline works" has the figures).
+  order; the graph grows with M, and its weight-gradient sums add in place (docs/pipeline.md#schedules compares
+  the two).
+
+The other schedules (`schedules.py` names them all) run other orders in the loop of `windowed_loop.py`.
 
 Randomness: micro-batch i runs with the step's seed folded with i; each layer folds in its own id, derived from
 its global index in the sequence, so masks do not depend on K and recomputation repeats them.
@@ -35,7 +37,7 @@ from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves
 from gpipe_tf.gpipe.plan import StagePlan, make_plan
 from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
-from gpipe_tf.gpipe.schedules import SCHEDULES, schedule_params  # noqa: F401 (re-exported)
+from gpipe_tf.gpipe.schedules import SCHEDULES, schedule_help, schedule_params  # noqa: F401 (re-exported)
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.sequential import Sequential
@@ -65,14 +67,7 @@ class GPipe(BaseLayer):
         p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
         p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "
                  "overrides device_kind.")
-        p.define("schedule", FillDrain.params(), "The schedule's Params: FillDrain.params() (default; GPipe's "
-                 "order in one while loop, graph and trace time constant in M), OneForwardOneBackward.params() "
-                 "(1F1B: the loss in the last stage, at most K - k micro-batches held by stage k), "
-                 "Interleaved.params().set(virtual_stages=v) (v chunks of layers per device, a smaller bubble), "
-                 "ZeroBubble.params() (ZB-H1: 1F1B with the weight gradients free to fill the bubbles) or "
-                 "Unrolled.params() (every (stage, micro-batch) step its own op group; the graph grows with M). A "
-                 f"name from {tuple(SCHEDULES)} stands for that class's defaults. README 'How the pipeline works' "
-                 "says which to pick.")
+        p.define("schedule", FillDrain.params(), schedule_help())
         p.define("input_gradients", "auto", "Compute the gradient of the pipeline's input? 'auto': only if the "
                  "input is computed from variables (a data batch needs none); True when you watch the input "
                  "yourself (e.g. saliency maps).")

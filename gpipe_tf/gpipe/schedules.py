@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gpipe_tf.gpipe.fill_drain import FillDrain
@@ -16,7 +17,7 @@ from gpipe_tf.gpipe.zero_bubble_v import ZeroBubbleV
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 __all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "ZeroBubbleV",
-           "SCHEDULES", "schedule_params", "schedule_name", "step_order"]
+           "SCHEDULES", "schedule_params", "schedule_name", "step_order", "schedule_help"]
 
 # Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its
 # class's default Params. Each class gives its own (`Schedule.short_names`); importing them all here fills the table.
@@ -49,3 +50,16 @@ def step_order(value: Any, num_stages: int, path: str = "") -> ScheduleOrder:
     """The order data of the schedule a `schedule` field stands for (Params or a short name), on `num_stages`
     devices (`Schedule.step_order`)."""
     return schedule_params(value, path).instantiate(path).step_order(max(1, int(num_stages)))
+
+
+def schedule_help() -> str:
+    """The help of a GPipe `schedule` field, from the table: every short name with its class and the first sentence
+    of the class's docstring, so that a new schedule shows up in it without an edit here."""
+    names = []
+    for name, cls in SCHEDULES.items():
+        doc = " ".join((cls.__doc__ or "").split())
+        summary = re.match(r"(.+?)\.(?=\s+[A-Z]|$)", doc)
+        names.append(f"'{name}' ({cls.__name__}: {summary.group(1) if summary else doc})")
+    return ("The schedule: Params of a Schedule class, e.g. Interleaved.params().set(virtual_stages=3), or a short "
+            f"name, which stands for its class's default Params: {'; '.join(names)}. "
+            "docs/pipeline.md#choosing-a-schedule says which to pick.")

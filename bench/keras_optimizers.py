@@ -3,7 +3,7 @@
 Three float64 variables, one per logical CPU device (a 3-stage pipeline's placement), named 'stage<k>_w' (Keras'
 Adafactor refuses the '/' of the project's names). Prints each optimizer's variables with their device, then saves
 a Keras AdamW after 3 steps and restores it into a new AdamW built over the same variables listed in another order.
-The README's optimizer section quotes this output (keras 3.15, TF 2.21).
+docs/experiments.md#why-the-optimizers-are-not-keras-3s quotes this output (keras 3.15, TF 2.21).
 
   python -m bench.keras_optimizers
 """

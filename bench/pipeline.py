@@ -36,7 +36,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Memory figures need TensorFlow's BFC allocator on CPU (otherwise get_memory_info raises on CPUs where oneDNN is
 # off, e.g. without AVX-512); it must be chosen before TensorFlow starts.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
-# oneDNN kernels on every CPU, as the trainer chooses them (trainer.py says why); the workers inherit it.
+# oneDNN kernels on every CPU, as the trainer chooses them (gpipe_tf/trainer_main.py says why); workers inherit it.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 TRANSFORMER = dict(layers=8, model_dim=512, heads=8, ffn=2048, seq=64, batch=32)
@@ -461,7 +461,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def summary(rows: list[dict[str, Any]]) -> list[str]:
-    """The headline ratios the README quotes."""
+    """The summary lines printed under the table: the ratios docs/benchmarks.md quotes beside the command."""
     out = []
     compile_rows = {(r["schedule"], r["m"]): r["compile_s"] for r in rows if r["step_time_s"] is None
                     and r["workload"] == "transformer"}

@@ -9,7 +9,7 @@ def split_cpu(num_devices: int) -> list[str]:
     """Splits the host CPU into `num_devices` logical devices (/CPU:0 .. /CPU:n-1); returns their names.
 
     Logical CPUs are placement labels that share one thread pool: right for correctness tests of a
-    pipeline, not for timing it (see README "Measuring").
+    pipeline, not for timing it (docs/benchmarks.md says why, and measures on TF workers instead).
     """
     import tensorflow as tf
 

@@ -28,9 +28,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 # keeps no statistics, get_memory_info raises, and the memory/peak_mb/* summaries would be missing. Must be set
 # before TensorFlow starts.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
-# oneDNN kernels on CPU: TensorFlow turns them on by itself only on CPUs with AVX-512. Measured on workload (a) of
-# bench.pipeline (8 Transformer layers, one thread): 3.37 s against 3.73 s per step with AVX-512 (oneDNN off by
-# TF_ENABLE_ONEDNN_OPTS=0), 5.34 s against 6.37 s on an AVX2-only CPU. Set before TensorFlow starts; 0 turns it off.
+# oneDNN kernels on CPU: TensorFlow turns them on by itself only on CPUs with AVX-512, but they shorten a step on
+# AVX2-only CPUs too (docs/benchmarks.md#onednn, with the command that measures it). Set before TensorFlow starts;
+# TF_ENABLE_ONEDNN_OPTS=0 turns them off.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 if TYPE_CHECKING:  # imported lazily at run time: --help and --list_models stay fast

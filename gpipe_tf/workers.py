@@ -3,7 +3,7 @@
 Logical CPUs in one process share one thread pool, so they cannot show whether a pipeline schedule overlaps
 work. K single-thread `tf.distribute.Server` processes on 127.0.0.1 can: each is a device with its own core,
 and transfers between stages are real gRPC transfers. The same placement spans hosts when the cluster lists
-remote addresses. See README "Measuring on a CPU".
+remote addresses. docs/benchmarks.md measures schedules this way; docs/scaling_out.md runs a cluster.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def connect(spec: dict[str, list[str]], inter_op_threads: int = 1) -> list[str]:
 
 
 def _serve(spec_json: str, task: int, threads: int, profiler_port: int = 0) -> None:
-    # oneDNN kernels, as the trainer chooses them (trainer.py says why); before TensorFlow starts.
+    # oneDNN kernels, as the trainer chooses them (gpipe_tf/trainer_main.py says why); before TensorFlow starts.
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     import tensorflow as tf
 

@@ -83,7 +83,7 @@ def replica_stage_devices(num_replicas: int, num_stages: int, kind: str = "auto"
     if kind == "workers" or (kind == "auto" and _AUTO_KIND["kind"] == "workers"):
         if num_replicas > 1:
             raise ParamsError(f"num_replicas={num_replicas} with device_kind='workers': the stage workers hold one "
-                              "replica; run one trainer per replica (TF_CONFIG, README 'Scaling out') instead")
+                              "replica; run one trainer per replica (TF_CONFIG, docs/scaling_out.md) instead")
         return [stage_devices(num_stages, "workers", worker_job)]
     flat = stage_devices(num_replicas * num_stages, kind)
     resolved = flat[0].split("device:")[-1].split(":")[0] if flat else "CPU"
@@ -167,9 +167,9 @@ def loop_device(counters: str, condition: str):
     Then nothing but what a stage sends to the next, and the condition, crosses devices each micro-batch.
 
     `condition` should be a device that runs no stage (`host_device()`): every stage waits for the condition
-    of its next micro-batch, and a message from a device busy with a stage's long chain of ops is only handled
-    when that chain ends. Measured on single-thread workers (README "How the pipeline works"): with the While
-    op on a stage, step times switched between pipelined and serial from run to run.
+    of its next micro-batch, and a single-thread worker busy with a stage's long chain of ops handles a message
+    only when that chain ends, so a condition on a stage's device would make every other stage wait for that
+    chain before its next micro-batch (docs/pipeline.md#schedules).
     """
     def device(op: tf.Operation) -> str:
         if op.type in _LOOP_OPS:

@@ -10,14 +10,13 @@ Every schedule runs a stage on a micro-batch through `StageForward` and later as
 Why not `tf.recompute_grad` (the API users know): the schedules hand a stage its weights as tensors, so that the
 weight gradients come out where the schedule sums them (loop variables on the stage's device; in-place sums),
 and `tf.recompute_grad` orders its recomputation after the output gradient by adding a zero computed from that
-gradient to every argument. For a stage's weights that is a full copy of them per micro-batch: on
-`bench.pipeline`'s memory workload (K=2, M=8) its peak step memory was 316 MiB against 252 MiB here. Ordering
-by control dependencies on identities costs nothing.
+gradient to every argument. For a stage's weights that is a full copy of them per micro-batch. Ordering by
+control dependencies on identities costs nothing.
 
 Why the recomputation differentiates with respect to copies of the weights made in the backward pass: inside the
-fill_drain backward loop, a gradient with respect to the forward loop's own weight tensors made TensorFlow keep
-every iteration's weight gradients until the loop ended (one stage's weights' worth of memory per micro-batch,
-measured: peak memory grew with M; `tests/test_pipeline.py` checks that the backward loop stashes nothing).
+fill_drain backward loop, a gradient with respect to the forward loop's own weight tensors makes TensorFlow keep
+every iteration's weight gradients until the loop ends (one stage's weights' worth of memory per micro-batch, so
+the peak would grow with M; `tests/pipeline/test_pipeline.py` checks that the backward loop stashes nothing).
 """
 
 from __future__ import annotations

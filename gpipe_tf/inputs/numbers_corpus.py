@@ -37,7 +37,7 @@ LANGUAGES: tuple[str, ...] = ("en", "fr", "de", "es", "it", "pt", "nl", "pl", "s
 
 SPLITS: tuple[str, ...] = ("train", "dev", "test")
 
-# num2words is pure Python and takes up to ~0.15 ms per call (fr, de, nl, sv); a corpus spells each
+# num2words is pure Python, slowest for fr, de, nl and sv, and a corpus spells each
 # (number, language) several times (as a source, as a target, for the vocabulary), and inputs for train, dev
 # and test spell the same languages. 2**20 entries cover 100,000 numbers in 10 languages (about 250 MB; the
 # default 10,000 numbers take a tenth of that).

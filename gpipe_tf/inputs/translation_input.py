@@ -30,7 +30,7 @@ class NumbersTranslationInput(NumbersCorpusInput, TranslationInput):
     """Batches of number translations with a static batch dimension (the last partial batch is dropped).
 
     Batches are TranslationInput's, with S = T = max_length. The vocabulary learns from a deterministic
-    subsample of the train split's sentences (~0.4 s per 100,000). num_batches=None repeats forever, reshuffled
+    subsample of the train split's sentences. num_batches=None repeats forever, reshuffled
     every epoch; an int gives that many batches (fewer if the split is smaller) in the corpus's order, matching
     `references()`.
     """

@@ -85,7 +85,7 @@ class BaseLayer(tf.Module):
         p.define("name", "", "Layer name, the last part of its variables' names. Empty: class name in snake case.")
         p.define("dtype", None, f"Variable dtype, one of {DTYPES}. None: the parent's (root: float32).")
         p.define("fprop_dtype", None, f"dtype of the forward computation and the activations, one of {DTYPES}; "
-                 "'bfloat16' or 'float16' with float32 variables is mixed precision (README 'Mixed precision'). "
+                 "'bfloat16' or 'float16' with float32 variables is mixed precision (docs/precision.md). "
                  "None: the parent's (root: dtype).")
         p.define("seed", None, "Seed of the variable initializers. None: derived from the parent's seed and this "
                  f"layer's name (root: {DEFAULT_SEED}).")

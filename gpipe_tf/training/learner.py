@@ -31,7 +31,7 @@ def training_params() -> Params:
              "Learning-rate multiplier schedule (Constant, LinearWarmupRsqrtDecay, Cosine, StepDecay); a decay "
              "length left None follows max_steps.")
     p.define("ema_decay", 0.0, "Exponential moving average of the trained weights, in [0, 1); 0: off. When on, "
-             "evaluation, decoding and export use the averaged weights (README 'Optimizers').")
+             "evaluation, decoding and export use the averaged weights (docs/experiments.md#weight-averages).")
     p.define("keep_best_metric", "", "--mode=train_and_eval: keep the checkpoint with the best value of this eval "
              "metric in logdir/best ('accuracy': of the first eval dataset; 'dev/loss': of dataset dev); '' off.")
     p.define("keep_best_mode", "max", "'max' (e.g. accuracy) or 'min' (e.g. loss): which way keep_best_metric is "
@@ -43,20 +43,20 @@ def training_params() -> Params:
     p.define("save_interval_steps", 100, "Write a checkpoint every this many steps (and at the end).")
     p.define("max_checkpoints_to_keep", 5, "Older checkpoints are deleted.")
     p.define("init_from", init_from.init_from_params(), "Fine-tuning: initialize a new run's variables from another "
-             "run's checkpoint by name rules (README 'Fine-tuning').")
+             "run's checkpoint by name rules (docs/fine_tuning.md).")
     p.define("summary_interval_steps", 10, "Write TensorBoard scalars every this many steps.")
     p.define("log_interval_steps", 50, "Print a progress line every this many steps.")
     p.define("eval_interval_steps", 0, "--mode=train_and_eval: evaluate every this many steps (0: at the end).")
     p.define("num_replicas", 1, "Data-parallel replicas of the model (each a whole pipeline) in this process: "
              "replica r's stage k on device r*K+k; the global batch is split over the replicas of all processes "
-             "and their gradients all-reduced (README 'Scaling out').")
+             "and their gradients all-reduced (docs/scaling_out.md).")
     p.define("skip_nonfinite_steps", False, "On a NaN/Inf loss or gradient: False stops training (the last good "
              "checkpoint stays the latest); True skips that step's update and goes on.")
     p.define("max_consecutive_skipped_steps", 10, "With skip_nonfinite_steps: stop (exit 1, nothing saved) when "
              "this many steps in a row were non-finite and skipped; a run that only skips would train nothing.")
     p.define("loss_scale", loss_scale_lib.loss_scale_params(), "Loss scaling for float16 computation (method auto: "
              "dynamic when a layer's fprop_dtype is float16). The scale and the skipped-step count are written to "
-             "TensorBoard as loss_scale and skipped_steps (README 'Mixed precision').")
+             "TensorBoard as loss_scale and skipped_steps (docs/precision.md#float16-and-loss-scaling).")
     return p
 
 

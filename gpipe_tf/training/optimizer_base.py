@@ -12,12 +12,13 @@ crosses devices. The contract:
   `iterations`. Slots are keyed by the variable's (unique, deterministic) name, not by creation order, so a
   checkpoint restores into an optimizer built over the same model in any order.
 
-Why not Keras 3's optimizers (measured with keras 3.15 on three logical CPUs, one variable per device): Keras'
+Why not Keras 3's optimizers (keras 3.15; `python -m bench.keras_optimizers` shows it on three logical CPUs, one
+variable per device, and docs/experiments.md#why-the-optimizers-are-not-keras-3s quotes its output): Keras'
 `Adafactor` creates its row and column statistics on the default device (all three on CPU:0), keeps a full-size
 second-moment variable besides them (so factoring saves no memory), and refuses variable names containing '/'.
 Its `AdamW` and `use_ema` place their slots correctly, but a `tf.train.Checkpoint` of a Keras optimizer keys the
 slots, and a second copy of the model's variables, by their position in `build`'s list: restored into a model
-whose variables come in another order, stage 2's weights and moments silently received stage 0's.
+whose variables come in another order, stage 2's weights and moments silently receive stage 0's.
 """
 
 from __future__ import annotations

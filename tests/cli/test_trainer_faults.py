@@ -1,7 +1,8 @@
 """Issue 24: the learning-rate schedule's end, the run seed and the trainer's faults, each for real.
 
-User errors are trainer subprocesses on real files (as tests/test_faults.py): exit 2 and ONE line on stderr
-besides TensorFlow's start-up lines (which every TF process prints before any of our code runs), no traceback.
+User errors are trainer subprocesses on real files (as in tests/cli/test_logdir_faults.py): exit 2 and ONE line
+on stderr besides TensorFlow's start-up lines (which every TF process prints before any of our code runs), no
+traceback.
 Cases that need a fault inside a run (a checkpoint deleted while it is read, SIGINT during the compile) inject it
 with a hook at that exact point, never by timing.
 """

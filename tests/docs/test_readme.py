@@ -12,7 +12,7 @@ MAX_README_LINES = 220
 
 
 def quick_start_commands():
-    """The fenced blocks of the README's Quick start section, in order."""
+    """The fenced blocks of README.md#quick-start, in order."""
     with open(README, encoding="utf-8") as f:
         text = f.read()
     section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]

@@ -1,4 +1,4 @@
-"""The README's first experiment is complete and runs as the README says: its code block, saved as
+"""README.md#your-first-experiment is complete and runs as it is written there: its code block, saved as
 mypkg/experiments.py of a package outside the checkout, registers the key its commands use, `--list_models
 --module=...` lists it, and it trains two steps as a pipeline and evaluates."""
 
@@ -19,7 +19,7 @@ KEY = "mypkg.experiments.MyMlp"
 
 
 def authoring_blocks():
-    """(language, text) of each fenced block of the README's first-experiment section, in order."""
+    """(language, text) of each fenced block of README.md#your-first-experiment, in order."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     section = text.split("## Your first experiment", 1)[1].split("\n## ", 1)[0]

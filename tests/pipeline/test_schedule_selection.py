@@ -1,6 +1,7 @@
-"""Choosing a pipeline's schedule: every form the README lists (the `cls` path with the class's own fields after
-it, a short name or a class path in --params, the experiments' `schedule` knob through gin), and the one name the
-run's HParams, params.txt and console then show for it. One real trainer run checks the files and the console."""
+"""Choosing a pipeline's schedule: every form docs/pipeline.md#setting-the-schedule lists (the `cls` path with
+the class's own fields after it, a short name or a class path in --params, the experiments' `schedule` knob
+through gin), and the one name the run's HParams, params.txt and console then show for it. One real trainer run
+checks the files and the console."""
 
 import os
 import subprocess
@@ -48,7 +49,8 @@ def test_every_schedule_is_settable_by_every_override_form(name, form):
 @pytest.mark.parametrize("form", ["task.network.schedule.cls=gpipe_tf.gpipe.interleaved.Interleaved",
                                   "task.network.schedule=interleaved"])
 def test_the_new_class_fields_are_settable_after_it_in_the_same_string(form):
-    # The README's command line: it used to exit "unknown param 'task.network.schedule.virtual_stages'".
+    # The command line of docs/pipeline.md#setting-the-schedule: the new class's field after the class, in one
+    # string, is that class's field (not an unknown param of the schedule it replaces).
     schedule = _schedule(f"{form},task.network.schedule.virtual_stages=3")
     assert schedule.cls is Interleaved and schedule.virtual_stages == 3
     # FillDrain's knob under FillDrain, after naming it.

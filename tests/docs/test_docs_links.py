@@ -1,28 +1,14 @@
 """Every relative link of the README and docs leads somewhere: the file exists and an #anchor names one of its
 headings; every file a page names by its repository path exists; every docs page is reachable from the README."""
 
-import glob
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.markdown import anchors, pages, read
+from tests.helpers.paths import ROOT
+
 # Top-level folders of the repository whose files the docs name in backquotes, e.g. `gpipe_tf/gpipe/plan.py`.
 REPOSITORY_FOLDERS = ("gpipe_tf", "bench", "tests", "params", "model_registry", "docs")
-
-
-def pages():
-    return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
-
-
-def read(path):
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
-def anchors(path):
-    """GitHub's anchors of the headings of a markdown file: lower case, punctuation dropped, spaces as dashes."""
-    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```$", "", read(path), flags=re.S | re.M), flags=re.M)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
 def relative_links(path):
@@ -56,4 +42,4 @@ def test_every_docs_page_is_linked_from_the_readme():
     linked = {os.path.normpath(os.path.join(ROOT, t.partition("#")[0]))
               for t in relative_links(os.path.join(ROOT, "README.md"))}
     orphans = [os.path.relpath(p, ROOT) for p in pages()[1:] if os.path.normpath(p) not in linked]
-    assert not orphans, f"docs pages the README's 'Where to go next' does not link: {orphans}"
+    assert not orphans, f"docs pages README.md#where-to-go-next does not link: {orphans}"

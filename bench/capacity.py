@@ -96,7 +96,7 @@ def plan_of(params) -> dict:
 
 def run_column(column: Column) -> dict:
     """The planner's largest model for `column` and its figures."""
-    from gpipe_tf.memory.capacity import largest
+    from gpipe_tf.capacity import largest
 
     if column.family == "amoebanet":
         def build(n: int):
@@ -114,7 +114,7 @@ def run_column(column: Column) -> dict:
         return {"best": None, "published_peak": published_peak}
     params = build(best)
     plan = plan_of(params)
-    from gpipe_tf.inspection import count_params
+    from gpipe_tf.layers.base_layer import count_params
 
     devices = plan["devices"]
     return {"best": best, "params": count_params(params.task.network),

@@ -16,45 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from gpipe_tf.errors import ConfigError
-from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.pipeline import find_pipelines
 from gpipe_tf.gpipe.plan import StagePlan, TimingRequired, make_plan
 from gpipe_tf.gpipe.schedules import step_order
 from gpipe_tf.hyperparams import InstantiableParams, Params
-from gpipe_tf.layers.base_layer import BaseLayer
+from gpipe_tf.layers.base_layer import count_params
 from gpipe_tf.memory import plan as memory_plan
 from gpipe_tf.memory import suggest
 from gpipe_tf.memory.sizes import human
-
-
-def count_params(p: InstantiableParams) -> int:
-    """Trainable parameters of a layer or task: its own count, or the sum over its child layer Params."""
-    try:
-        return int(p.cls.num_params(p))
-    except NotImplementedError:
-        return sum(count_params(c) for c in _child_layers(p))
-
-
-def _child_layers(p: Params) -> list[InstantiableParams]:
-    out = []
-    for _, value in p.items():
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(item, InstantiableParams) and isinstance(item.cls, type) and issubclass(item.cls,
-                                                                                                  BaseLayer):
-                out.append(item)
-    return out
-
-
-def find_pipelines(p: Params, path: str = "task") -> list[tuple[str, InstantiableParams]]:
-    """(path, Params) of every GPipe layer in a Params tree."""
-    found = []
-    if isinstance(p, InstantiableParams) and p.cls is GPipe:
-        found.append((path, p))
-    for name, value in p.items():
-        for j, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(item, Params):
-                found += find_pipelines(item, f"{path}.{name}" + (f"[{j}]" if isinstance(value, (list, tuple))
-                                                                   else ""))
-    return found
 
 
 def _layer_params(lp: InstantiableParams) -> int | None:

@@ -243,7 +243,7 @@ def _inspect(params: Params, overrides: str) -> None:
         report["capacity"] = _capacity(params, overrides, budget, pipelines)
     text = inspection.format_report(report)
     if FLAGS.capacity:
-        from gpipe_tf.memory.capacity import format_capacity
+        from gpipe_tf.capacity import format_capacity
         text += "\n" + format_capacity(params.model, FLAGS.capacity, FLAGS.device_memory, report["capacity"])
     print(json.dumps(report) if FLAGS.json else text, flush=True)
     if not FLAGS.quiet:
@@ -253,7 +253,7 @@ def _inspect(params: Params, overrides: str) -> None:
 
 def _capacity(params: Params, overrides: str, budget: int | None, pipelines: list) -> list[dict[str, Any]]:
     """--capacity=KNOB: the largest KNOB that fits --device_memory for each K up to --capacity_devices."""
-    from gpipe_tf.memory.capacity import capacity
+    from gpipe_tf.capacity import capacity
 
     if budget is None:
         _fail(f"--capacity={FLAGS.capacity} needs --device_memory (the memory of one device), e.g. "

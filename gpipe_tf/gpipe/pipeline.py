@@ -38,7 +38,7 @@ from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves
 from gpipe_tf.gpipe.plan import StagePlan, make_plan
 from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
 from gpipe_tf.gpipe.schedules import SCHEDULES, schedule_help, schedule_params  # noqa: F401 (re-exported)
-from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.sequential import Sequential
 
@@ -255,3 +255,16 @@ class GPipe(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
         """Sum of the layers' flops."""
         return Sequential.flops(p, input_spec)
+
+
+def find_pipelines(p: Params, path: str = "task") -> list[tuple[str, InstantiableParams]]:
+    """(path, Params) of every GPipe layer in a Params tree, `path` naming the tree's root (e.g. task.network)."""
+    found = []
+    if isinstance(p, InstantiableParams) and p.cls is GPipe:
+        found.append((path, p))
+    for name, value in p.items():
+        for j, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(item, Params):
+                found += find_pipelines(item, f"{path}.{name}" + (f"[{j}]" if isinstance(value, (list, tuple))
+                                                                   else ""))
+    return found

@@ -272,6 +272,26 @@ def fprop_dtype_of(p: InstantiableParams) -> str:
     return p.fprop_dtype or p.dtype or "float32"
 
 
+def count_params(p: InstantiableParams) -> int:
+    """Trainable parameters of a layer or task from its Params alone: its own count, or the sum over its child
+    layer Params when its class cannot count them (`num_params` raises NotImplementedError)."""
+    try:
+        return int(p.cls.num_params(p))
+    except NotImplementedError:
+        return sum(count_params(c) for c in _child_layers(p))
+
+
+def _child_layers(p: Params) -> list[InstantiableParams]:
+    """The layer Params among `p`'s values, in lists and tuples too."""
+    out = []
+    for _, value in p.items():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, InstantiableParams) and isinstance(item.cls, type) and issubclass(item.cls,
+                                                                                                  BaseLayer):
+                out.append(item)
+    return out
+
+
 def num_elements(spec: tf.TensorSpec) -> int:
     """Elements of a fully defined TensorSpec (flops estimates need static shapes)."""
     if not spec.shape.is_fully_defined():

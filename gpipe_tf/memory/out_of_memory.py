@@ -18,9 +18,16 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
+import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+
 from gpipe_tf import errors
 from gpipe_tf.errors import ConfigError
+from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.pipeline import find_pipelines
 from gpipe_tf.hyperparams import Params, ParamsError
+from gpipe_tf.memory import suggest
+from gpipe_tf.memory.plan import plan_pipeline, schedule_order
 from gpipe_tf.memory.sizes import human
 
 _OOM = re.compile(r"OOM when allocating tensor with shape\s*\[([^\]]*)\]\s*and type (\w+) on (\S+)")
@@ -43,8 +50,6 @@ class StageAt(NamedTuple):
 def _allocation(shape: list[int], dtype: Any, device: str | None) -> dict[str, Any]:
     """{"shape", "dtype" (TensorFlow's name, e.g. float32), "device", "bytes"} of a tensor; `dtype` as TensorFlow's
     message or proto names it."""
-    import tensorflow as tf
-
     dtype = tf.as_dtype(dtype)
     count = 1
     for d in shape:
@@ -63,8 +68,6 @@ def parse(message: str) -> dict[str, Any] | None:
 def parse_constant(message: str) -> dict[str, Any] | None:
     """The allocation of a folded constant that could not be created, with "pipeline" and "stage" from its node's
     name scope (None when no pipeline stage built it); None when `message` is no such error."""
-    from tensorflow.core.framework import types_pb2
-
     found = _CONSTANT.search(message)
     if found is None:
         return None
@@ -76,8 +79,6 @@ def parse_constant(message: str) -> dict[str, Any] | None:
 
 def find_message(error: BaseException) -> str | None:
     """The message of the out-of-memory error in `error`'s chain (either kind, see the module doc), or None."""
-    import tensorflow as tf
-
     oom = errors.find_in_chain(error, (tf.errors.ResourceExhaustedError,))
     if oom is not None:
         return oom.message
@@ -87,8 +88,6 @@ def find_message(error: BaseException) -> str | None:
 
 def same_device(a: str, b: str) -> bool:
     """Whether device strings `a` and `b` name one device ('/device:CPU:1' is '/job:localhost/.../device:CPU:1')."""
-    import tensorflow as tf
-
     x, y = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
     if (x.device_type or "").upper() != (y.device_type or "").upper():
         return False
@@ -100,9 +99,6 @@ def same_device(a: str, b: str) -> bool:
 
 def find_stage(params: Params, device: str) -> StageAt | None:
     """The pipeline stage placed on `device`, or None."""
-    from gpipe_tf.gpipe import placement
-    from gpipe_tf.inspection import find_pipelines
-
     replicas = int(params.train.get("num_replicas") or 1) if "train" in params else 1
     for path, pipe in find_pipelines(params.task):
         try:
@@ -120,9 +116,6 @@ def stage_of_node(params: Params, pipeline: int | None, chunk: int | None) -> St
     """The stage of pipeline `pipeline`'s chunk `chunk` (name scope gpipe<pipeline>_stage<chunk>; chunk c runs on
     the device its schedule's order gives: c mod K but for a V), or None. With one pipeline in the task it is that
     one whatever its process-wide number; the replica is unknown (0 of 1)."""
-    from gpipe_tf.inspection import find_pipelines
-    from gpipe_tf.memory.plan import schedule_order
-
     pipelines = find_pipelines(params.task)
     if pipeline is None or chunk is None or not pipelines:
         return None
@@ -137,9 +130,6 @@ def explain(message: str, params: Params, device_memory: int | None = None, budg
     """One line for TensorFlow's OOM `message` in a run of `params`: the device, the tensor, the pipeline stage
     placed there, the planner's predicted peak on it and the smallest change that fits `device_memory` (or, without
     a budget, the failing device's predicted peak); `budget_text` is `device_memory` as the user wrote it."""
-    from gpipe_tf.memory import suggest
-    from gpipe_tf.memory.plan import plan_pipeline
-
     oom = parse(message)
     constant = None if oom is not None else parse_constant(message)
     found = oom or constant
@@ -177,10 +167,6 @@ def explain(message: str, params: Params, device_memory: int | None = None, budg
 def plan_warnings(params: Params, device_memory: int, budget_text: str) -> list[str]:
     """Before training with --device_memory: one warning line per pipeline that cannot be planned or whose
     predicted peak exceeds `device_memory` on some device, with the smallest change that fits."""
-    from gpipe_tf.inspection import find_pipelines
-    from gpipe_tf.memory import suggest
-    from gpipe_tf.memory.plan import plan_pipeline
-
     lines = []
     target = f"--device_memory={budget_text}"
     for path, pipe in find_pipelines(params.task):

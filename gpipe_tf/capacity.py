@@ -4,14 +4,21 @@ experiment (AmoebaNet-D's filters or cells per stack, a Transformer's layers) wh
 The planner (`plan.plan_pipeline`) is asked by bisection, so a search over a thousand-layer range plans about ten
 models per K; a model grows monotonically with the knob, so the first value that does not fit bounds the search.
 The experiment is resolved as the trainer resolves it (gin bindings, then dotted overrides), with the knob and
-`num_stages` bound as gin knobs.
+`num_stages` bound as gin knobs: resolving experiments puts this module above `experiment.py`, on the floor below
+the trainer's (docs/layout.md#floors).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from gpipe_tf import experiment, model_registry
 from gpipe_tf.errors import ConfigError
+from gpipe_tf.gpipe.pipeline import find_pipelines
+from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.layers.base_layer import count_params
+from gpipe_tf.memory.plan import plan_pipeline
+from gpipe_tf.memory.sizes import human
 
 
 def largest(fits: Callable[[int], bool], low: int, high: int, step: int = 1) -> int | None:
@@ -40,8 +47,6 @@ def stage_counts(max_devices: int) -> list[int]:
 
 def _check_knob(model: str, knob: str) -> int:
     """The default of integer knob `knob` of registered `model`; ConfigError naming the integer knobs otherwise."""
-    from gpipe_tf import model_registry
-
     knobs = model_registry.get(model).knobs()
     if "num_stages" not in knobs:
         raise ConfigError(f"capacity: {model} has no num_stages knob, so K cannot be varied; pick a pipelined "
@@ -58,10 +63,6 @@ def plan_with(model: str, knob: str, value: int, num_stages: int, device_memory:
               gin_bindings: Sequence[str] = (), overrides: str = "", gin_files: Sequence[str] = ()) -> dict[str, Any]:
     """The memory plan of `model` with `knob`=`value` on `num_stages` stages against `device_memory`, plus
     "params" (its parameter count). Raises ConfigError when it has no pipeline or cannot be planned."""
-    from gpipe_tf import experiment
-    from gpipe_tf.inspection import count_params, find_pipelines
-    from gpipe_tf.memory.plan import plan_pipeline
-
     params, _ = experiment.resolve_params(
         model, gin_files=gin_files, overrides=overrides,
         gin_bindings=[*gin_bindings, f"{model}.{knob}={value}", f"{model}.num_stages={num_stages}"])
@@ -82,8 +83,6 @@ def capacity(model: str, knob: str, device_memory: int, max_devices: int, gin_bi
     """For each K of `stage_counts(max_devices)`: {"num_stages", "value" (the largest knob value that fits, None if
     even `step` does not), "params", "max_peak", "note"}. A K whose model cannot be planned has value None and a
     note saying why."""
-    from gpipe_tf.hyperparams import ParamsError
-
     default = _check_knob(model, knob)
     rows = []
     for k in stage_counts(max_devices):
@@ -120,8 +119,6 @@ def capacity(model: str, knob: str, device_memory: int, max_devices: int, gin_bi
 
 def format_capacity(model: str, knob: str, device_memory_text: str, rows: list[dict[str, Any]]) -> str:
     """The capacity table as text, one row per K."""
-    from gpipe_tf.memory.sizes import human
-
     lines = [f"largest {knob} of {model} that fits {device_memory_text} per device (memory planner):",
              f"{'K':>4}  {knob:>16}  {'params':>16}  {'largest peak':>12}  note"]
     for row in rows:

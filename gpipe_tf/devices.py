@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from gpipe_tf.errors import ConfigError
 
 
@@ -11,8 +13,6 @@ def split_cpu(num_devices: int) -> list[str]:
     Logical CPUs are placement labels that share one thread pool: right for correctness tests of a
     pipeline, not for timing it (docs/benchmarks.md says why, and measures on TF workers instead).
     """
-    import tensorflow as tf
-
     if num_devices < 1:
         raise ConfigError(f"--logical_devices={num_devices} must be >= 1")
     cpus = tf.config.list_physical_devices("CPU")

@@ -73,7 +73,8 @@ class Experiment:
 
     def training(self) -> Params:
         """Params of the `train` subtree (optimizer, schedule, intervals); see learner.training_params."""
-        from gpipe_tf.training.learner import training_params  # Imports TensorFlow: only when building.
+        # Deferred: it imports TensorFlow, which --list_models (importing every experiment module) must not load.
+        from gpipe_tf.training.learner import training_params  # noqa: PLC0415
         return training_params()
 
     def eval_params(self) -> Params:

@@ -123,7 +123,7 @@ def _resolve_dotted(dotted: str) -> Any:
     """Imports `pkg.module.Outer.Inner` (the longest importable module prefix, then attributes)."""
     parts = dotted.split(".")
     if parts[0] == "tf" and len(parts) == 2:
-        import tensorflow as tf  # lazy: only texts holding a dtype pay for TensorFlow
+        import tensorflow as tf  # noqa: PLC0415 -- deferred: only texts holding a dtype pay for TensorFlow
         try:
             return tf.dtypes.as_dtype(parts[1])
         except TypeError:

@@ -72,6 +72,6 @@ def start_tensorflow() -> None:
     """Imports TensorFlow and lists the physical devices (which loads the GPU driver where there is one) without
     the known start-up notices. Lists devices only: logical devices can still be configured afterwards."""
     with known_notices_dropped():
-        import tensorflow as tf
+        import tensorflow as tf  # noqa: PLC0415 -- here, so that its native notices go into the pipe
 
         tf.config.list_physical_devices()

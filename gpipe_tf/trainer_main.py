@@ -18,9 +18,19 @@ import contextlib
 import json
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 from absl import app, flags, logging
+
+# Nothing imported at the top imports TensorFlow: --help and --list_models run without it, and TensorFlow's
+# start-up notices stay off the console (tf_startup). Modules that import it are imported inside the functions
+# that need them, after tf_startup.start_tensorflow().
+from gpipe_tf import errors, experiment, model_registry, tf_startup, workers
+from gpipe_tf.errors import ConfigError, TrainingError
+from gpipe_tf.hyperparams import Params, ParamsError
+from gpipe_tf.memory.sizes import parse_bytes
+from gpipe_tf.training import progress, run_lock
 
 # TensorFlow's C++ INFO lines (oneDNN, CPU features) bury the progress lines; warnings and errors still show.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
@@ -33,8 +43,7 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 # TF_ENABLE_ONEDNN_OPTS=0 turns them off.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-if TYPE_CHECKING:  # imported lazily at run time: --help and --list_models stay fast
-    from gpipe_tf.hyperparams import Params
+if TYPE_CHECKING:  # imports TensorFlow: imported at run time after it starts (see the imports above)
     from gpipe_tf.training.replicas import ReplicaLayout
 
 FLAGS = flags.FLAGS
@@ -111,8 +120,6 @@ def _quiet_exit() -> None:
 def _main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; flags look like --model=KEY")
-    from gpipe_tf import experiment, model_registry, tf_startup
-
     if not FLAGS.list_models:  # listing imports no TensorFlow
         tf_startup.start_tensorflow()
 
@@ -132,7 +139,7 @@ def _main(argv: list[str]) -> None:
     # Resolving Params runs no TensorFlow op, so the CPU can still be split here.
     num_devices = FLAGS.logical_devices or params.logical_devices
     if num_devices:
-        from gpipe_tf import devices
+        from gpipe_tf import devices  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
         devices.split_cpu(num_devices)
     if FLAGS.mode == "inspect_params":
         print(params.to_text())
@@ -140,7 +147,6 @@ def _main(argv: list[str]) -> None:
     if FLAGS.mode == "inspect":
         _inspect(params, overrides)
         return
-    from gpipe_tf.memory.sizes import parse_bytes
     budget = None if FLAGS.device_memory is None else parse_bytes(FLAGS.device_memory)  # a bad size fails first
     with _out_of_memory_as_one_line(params, budget):
         _run_job(params, resolved, gin_config, budget)
@@ -150,8 +156,7 @@ def _main(argv: list[str]) -> None:
 def _out_of_memory_as_one_line(params: Params, budget: int | None) -> Iterator[None]:
     """A device that runs out of memory ends the run with one line (device, stage, predicted peak, the change that
     fits: `memory.out_of_memory`) instead of TensorFlow's traceback; checkpoints already written stay."""
-    from gpipe_tf.errors import TrainingError
-    from gpipe_tf.memory import out_of_memory
+    from gpipe_tf.memory import out_of_memory  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
 
     try:
         yield
@@ -172,9 +177,8 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
     if FLAGS.export_dir and FLAGS.mode != "export":
         _fail(f"--export_dir is for --mode=export, not --mode={FLAGS.mode}")
 
-    from gpipe_tf.training import logdir as logdir_lib
-    from gpipe_tf.training import run_lock
-    from gpipe_tf.training.controller import Controller
+    from gpipe_tf.training import logdir as logdir_lib  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
+    from gpipe_tf.training.controller import Controller  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
 
     profile = _parse_profile_steps(FLAGS.profile_steps)
     training = FLAGS.mode in ("train", "train_and_eval")
@@ -194,7 +198,7 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
             logdir_lib.check_compatible(FLAGS.logdir, params, training=True)  # again: now no other trainer writes
         controller.restore()  # raises, having written nothing, if checkpoints exist and none restores
         if budget is not None and layout.is_chief:
-            from gpipe_tf.memory import out_of_memory
+            from gpipe_tf.memory import out_of_memory  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
             for warning in out_of_memory.plan_warnings(params, budget, FLAGS.device_memory):
                 _print(warning)
         if layout.is_chief:
@@ -210,12 +214,12 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
         Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet).evaluate(
             follow=not FLAGS.eval_once, timeout_secs=FLAGS.eval_timeout_secs, chosen=FLAGS.checkpoint)
     elif FLAGS.mode == "export":
-        from gpipe_tf.training import exporter
+        from gpipe_tf.training import exporter  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
         logdir_lib.check_compatible(FLAGS.logdir, params)
         exporter.export(params.task.instantiate(), params, FLAGS.logdir, _print, checkpoint=FLAGS.checkpoint,
                         export_dir=FLAGS.export_dir)
     else:
-        from gpipe_tf.training import decoder
+        from gpipe_tf.training import decoder  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
         logdir_lib.check_compatible(FLAGS.logdir, params)
         decoder.decode(params.task.instantiate(), params, FLAGS.logdir, _print, checkpoint=FLAGS.checkpoint,
                        progress_log=(lambda line: None) if FLAGS.quiet else _print)
@@ -223,15 +227,13 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
 
 def _inspect(params: Params, overrides: str) -> None:
     """--mode=inspect: the report on stdout; progress lines (what is planned, how long it took) on stderr."""
-    import time
-
-    from gpipe_tf import inspection
-    from gpipe_tf.memory.sizes import parse_bytes
-    from gpipe_tf.training import progress
+    from gpipe_tf import inspection  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
+    from gpipe_tf.capacity import format_capacity  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
+    from gpipe_tf.gpipe.pipeline import find_pipelines  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
 
     budget = None if FLAGS.device_memory is None else parse_bytes(FLAGS.device_memory)  # a bad size fails first
     start = time.perf_counter()
-    pipelines = inspection.find_pipelines(params.task)
+    pipelines = find_pipelines(params.task)
     if not FLAGS.quiet:
         shape = ", ".join(f"{path}: K={p.num_stages} stages over {len(p.layers)} layers, "
                           + (f"balance={list(p.balance)}" if p.balance else f"balance_by={p.balance_by}")
@@ -243,7 +245,6 @@ def _inspect(params: Params, overrides: str) -> None:
         report["capacity"] = _capacity(params, overrides, budget, pipelines)
     text = inspection.format_report(report)
     if FLAGS.capacity:
-        from gpipe_tf.capacity import format_capacity
         text += "\n" + format_capacity(params.model, FLAGS.capacity, FLAGS.device_memory, report["capacity"])
     print(json.dumps(report) if FLAGS.json else text, flush=True)
     if not FLAGS.quiet:
@@ -253,7 +254,7 @@ def _inspect(params: Params, overrides: str) -> None:
 
 def _capacity(params: Params, overrides: str, budget: int | None, pipelines: list) -> list[dict[str, Any]]:
     """--capacity=KNOB: the largest KNOB that fits --device_memory for each K up to --capacity_devices."""
-    from gpipe_tf.capacity import capacity
+    from gpipe_tf.capacity import capacity  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
 
     if budget is None:
         _fail(f"--capacity={FLAGS.capacity} needs --device_memory (the memory of one device), e.g. "
@@ -266,7 +267,7 @@ def _capacity(params: Params, overrides: str, budget: int | None, pipelines: lis
 
 def _replica_layout(params: Params) -> ReplicaLayout:
     """This process's data-parallel layout: --worker_hosts/TF_CONFIG workers and train.num_replicas here."""
-    from gpipe_tf.training import replicas
+    from gpipe_tf.training import replicas  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
 
     if FLAGS.worker_hosts:
         replicas.write_tf_config(FLAGS.worker_hosts, FLAGS.task_index)
@@ -284,8 +285,7 @@ def _connect_stage_workers() -> None:
     """--stage_workers / --local_stage_workers: connect to (or start) TF servers; 'auto' stages go there."""
     if not (FLAGS.stage_workers or FLAGS.local_stage_workers):
         return
-    from gpipe_tf import workers
-    from gpipe_tf.gpipe import placement
+    from gpipe_tf.gpipe import placement  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
 
     if FLAGS.stage_workers and FLAGS.local_stage_workers:
         _fail("give --stage_workers or --local_stage_workers, not both")
@@ -320,11 +320,6 @@ def _parse_profile_steps(text: str | None) -> tuple[int, int] | None:
 
 def main(argv: list[str]) -> None:
     """absl entry point: runs the chosen mode; user errors become one line on stderr and exit status 2."""
-    from gpipe_tf import model_registry
-    from gpipe_tf import errors
-    from gpipe_tf.errors import ConfigError, TrainingError
-    from gpipe_tf.hyperparams import ParamsError
-
     if not FLAGS["verbosity"].present:
         # TensorFlow's Python INFO logs (checkpoint sharding, ...) would interleave with the progress lines.
         logging.set_verbosity(logging.WARNING)

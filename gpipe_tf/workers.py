@@ -120,7 +120,9 @@ def connect(spec: dict[str, list[str]], inter_op_threads: int = 1) -> list[str]:
 
     Workers adopt the client's inter-op setting, so it is set here, before connecting (it cannot change later).
     """
-    import tensorflow as tf
+    # Deferred: this module is also the worker process's main, which sets TF_ENABLE_ONEDNN_OPTS before TensorFlow
+    # loads (_serve); and the trainer imports it before TensorFlow starts.
+    import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec))
@@ -130,7 +132,7 @@ def connect(spec: dict[str, list[str]], inter_op_threads: int = 1) -> list[str]:
 def _serve(spec_json: str, task: int, threads: int, profiler_port: int = 0) -> None:
     # oneDNN kernels, as the trainer chooses them (gpipe_tf/trainer_main.py says why); before TensorFlow starts.
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
-    import tensorflow as tf
+    import tensorflow as tf  # noqa: PLC0415 -- after the line above: TensorFlow reads the variable as it loads
 
     if profiler_port:
         tf.profiler.experimental.server.start(profiler_port)

@@ -9,11 +9,13 @@ partitioned and inspected without allocating it; or from timing each layer once 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.base_layer import FPropContext
 
 BALANCE_BY = ("params", "flops", "time")
 
@@ -110,10 +112,6 @@ def balance_costs(costs: Sequence[float], num_stages: int) -> list[int]:
 
 def time_layers(layers: Sequence[Any], sample: Any, repeats: int = 3) -> list[float]:
     """Median forward time of each built layer on `sample` (a micro-batch), run in order as a chain."""
-    import time
-
-    from gpipe_tf.layers.base_layer import FPropContext
-
     times, x = [], sample
     ctx = FPropContext(training=False)
     for layer in layers:

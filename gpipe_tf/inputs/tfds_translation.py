@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from tensorflow_datasets.translate import wmt
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
@@ -54,8 +55,6 @@ _VOCAB_FORMAT = 1
 
 def _custom_wmt_builder(dataset: str, subsets: dict[str, list[str]],
                         data_dir: str | None) -> tfds.core.DatasetBuilder:
-    from tensorflow_datasets.translate import wmt
-
     family, _, pair = dataset.partition("/")
     languages = pair.split("-")
     if family != _CUSTOM_WMT or len(languages) != 2 or not all(languages):

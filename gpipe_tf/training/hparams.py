@@ -20,6 +20,8 @@ import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 from tensorboard.plugins.hparams import api_pb2
 
+from gpipe_tf.gpipe.pipeline import find_pipelines
+from gpipe_tf.gpipe.schedules import schedule_name
 from gpipe_tf.hyperparams import Params
 
 HParamValue = bool | int | float | str
@@ -64,8 +66,6 @@ def _domain(value: HParamValue) -> hp.Domain:
 
 
 def _pipeline(params: Params) -> Params | None:
-    from gpipe_tf.inspection import find_pipelines  # imports the GPipe layer: only when writing
-
     found = find_pipelines(params.task)
     return found[0][1] if found else None
 
@@ -88,8 +88,6 @@ def hparams_of(params: Params, knobs: Mapping[str, Any],
                    "input.train.batch_size": params.input.train.batch_size})
     pipe = _pipeline(params)
     if pipe is not None:
-        from gpipe_tf.gpipe.schedules import schedule_name
-
         values.pop("schedule", None)
         values.update({"pipeline.num_stages": pipe.num_stages, "pipeline.num_micro_batches": pipe.num_micro_batches,
                        "pipeline.remat": pipe.remat, "pipeline.schedule": schedule_name(pipe.schedule),

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import Params, ParamsError
+from gpipe_tf.layers.base_layer import BaseLayer
 
 PARAMS_FILE = "params.txt"
 CHECKPOINT_DIR = "checkpoints"
@@ -77,8 +78,6 @@ def _micro_batch_sensitive(task: Any) -> list[str]:
     """What of the built `task` depends on how a batch is split into micro-batches: dropout masks (each micro-batch
     draws its own from the step's seed folded with its index) and batch-norm statistics (per micro-batch, as in
     GPipe; a layer with batch statistics overrides `apply_aux_stats`)."""
-    from gpipe_tf.layers.base_layer import BaseLayer  # lazy: keeps this module free of TensorFlow until needed
-
     layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)]
     dropout = any(_draws_randomness(m.p) for m in layers)
     batch_norm = any(type(m).apply_aux_stats is not BaseLayer.apply_aux_stats for m in layers)

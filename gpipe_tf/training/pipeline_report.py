@@ -21,6 +21,8 @@ from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.schedules import schedule_name
 from gpipe_tf.hyperparams import Params, ParamsError
+from gpipe_tf.inspection import format_memory
+from gpipe_tf.memory.plan import plan_pipeline
 from gpipe_tf.training import timeline_pictures
 from gpipe_tf.training.summaries import SummaryWriter
 
@@ -83,9 +85,6 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
 
 def memory_text(pipe: GPipe, train_params: Params | None) -> str:
     """The pipeline's per-device memory plan as text (`memory.plan`), or one line saying why there is none."""
-    from gpipe_tf.inspection import format_memory
-    from gpipe_tf.memory.plan import plan_pipeline
-
     if train_params is None:
         return "memory: no plan (the training Params were not given)"
     try:

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.pipeline import GPipe
 
 
 @dataclasses.dataclass
@@ -246,8 +247,6 @@ def replica_home_devices(task: tf.Module, local_replicas: int) -> list[str]:
     Every pipeline of the task must have been built for `local_replicas` replicas (inside
     `placement.replicas(local_replicas)`).
     """
-    from gpipe_tf.gpipe.pipeline import GPipe
-
     pipes = [m for m in task.submodules if isinstance(m, GPipe)]
     for pipe in pipes:
         if len(pipe.replica_devices) != local_replicas:

@@ -6,6 +6,7 @@ import os
 from typing import Mapping
 
 import tensorflow as tf
+from tensorflow.core.util import event_pb2
 
 
 class SummaryWriter:
@@ -46,8 +47,6 @@ def read_scalars(job_dir: str) -> dict[str, list[tuple[int, float]]]:
 
     TF2 writes scalars as tensor summaries, so values are decoded from `tensor`, not `simple_value`.
     """
-    from tensorflow.core.util import event_pb2
-
     out: dict[str, list[tuple[int, float]]] = {}
     files = sorted(f for f in os.listdir(job_dir) if "tfevents" in f)
     for name in files:

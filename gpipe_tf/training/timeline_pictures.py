@@ -16,6 +16,7 @@ import numbers
 
 import numpy as np
 import tensorflow as tf
+from PIL import Image, ImageDraw, ImageFont
 
 from gpipe_tf.gpipe.timeline import BACKWARD, FORWARD, TRANSFER, WEIGHT, Cell, Timeline, check_positive
 from gpipe_tf.hyperparams import ParamsError
@@ -359,8 +360,6 @@ class PictureLayout:
 
 
 def _font(size: int):
-    from PIL import ImageFont
-
     try:
         return ImageFont.load_default(size=size)  # Pillow's built-in scalable font (needs FreeType)
     except (TypeError, ValueError, OSError, ImportError):
@@ -424,8 +423,6 @@ def _nice_step(minimum: float) -> float:
 def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[np.ndarray, list[PictureLayout]]:
     """The picture of one or more timelines, one above the other (each: title, row axis, grid, time axis), with
     one legend at the bottom; and where each grid lies. See render_png."""
-    from PIL import Image, ImageDraw
-
     if cell_px is not None:
         cell_px = _check_cell_px(cell_px)
     title_font, label_font = _font(_TITLE_PX), _font(_LABEL_PX)

@@ -1,5 +1,6 @@
-"""The floors of docs/layout.md hold: no module imports one on a higher floor, and no modules import each other
-(directly or around a cycle).
+"""The floors of docs/layout.md hold: no module imports one on a higher floor, no modules import each other (directly
+or around a cycle), and every import inside a function in gpipe_tf/ says on its line, or the line above, why it is
+not at the module's top.
 
 Imports are read from the source with `ast`, at the top and inside functions alike, so an import hidden in a
 function counts as much as one at the top. The floors come from the table under "## Floors" in docs/layout.md: the
@@ -7,13 +8,20 @@ doc is the source of truth, and a module it puts on no floor fails the test.
 """
 
 import ast
+import io
 import os
 import re
+import tokenize
+
+import pytest
 
 from tests.helpers.paths import ROOT
 
 # The checkout's folders and the packages they are installed as (setup.py's package_dir).
 FOLDERS = {"gpipe_tf": "gpipe_tf", "model_registry": "gpipe_tf.model_registry", "params": "gpipe_tf.params"}
+NOQA = re.compile(r"noqa(?::\s*[A-Z]+[0-9]+(?:\s*,\s*[A-Z]+[0-9]+)*)?", re.I)
+# A reason is a few words: "noqa: PLC0415" alone, or with one word after it, says nothing about why.
+REASON_WORDS = 3
 
 
 def modules():
@@ -181,3 +189,58 @@ def test_imports_resolve_to_modules():
               "def f():\n    from . import other\n    from .sub.mod import g\n")
     assert imported_modules(source, "p.x", False, known) == [
         (1, "p.sub.mod"), (2, "p.sub.mod"), (2, "p.sub"), (3, "p.other"), (5, "p.other"), (6, "p.sub.mod")]
+
+
+def unexplained_function_imports(source):
+    """[(line, statement)] of imports inside a function or class whose line (or lines), or the comment line just
+    above, carry no reason of a few words besides a noqa code."""
+    comments = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string
+    lines = source.splitlines()
+    nested = []
+
+    def walk(node, inside):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and inside:
+                nested.append(child)
+            walk(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+
+    walk(ast.parse(source), False)
+    found = []
+    for node in nested:
+        texts = [comments.get(n, "") for n in range(node.lineno, node.end_lineno + 1)]
+        above = node.lineno - 1
+        while above >= 1 and lines[above - 1].lstrip().startswith("#"):  # the comment block just above
+            texts.append(comments.get(above, ""))
+            above -= 1
+        reasons = [re.findall(r"[A-Za-z]{2,}", NOQA.sub("", text.lstrip("#"))) for text in texts]
+        if not any(len(words) >= REASON_WORDS for words in reasons):
+            found.append((node.lineno, lines[node.lineno - 1].strip()))
+    return found
+
+
+def test_every_import_inside_a_function_says_why():
+    found = []
+    for module, path in sorted(modules().items()):
+        if not path.startswith("gpipe_tf/"):
+            continue
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            found += [f"{path}:{line}: {text}" for line, text in unexplained_function_imports(f.read())]
+    assert not found, ("imports inside functions without a comment saying why they are not at the module's top "
+                       "(e.g. '# noqa: PLC0415 -- deferred: ...'):\n" + "\n".join(found))
+
+
+@pytest.mark.parametrize("source, unexplained", [
+    ("import os\n\ndef f():\n    import re  # noqa: PLC0415\n", [4]),
+    ("def f():\n    import re  # noqa: PLC0415 -- why\n", [2]),
+    ("def f():\n    import re\n", [2]),
+    ("class A:\n    def f(self):\n        from os import path\n", [3]),
+    ("def f():\n    import re  # noqa: PLC0415 -- deferred: the module must load without it\n", []),
+    ("def f():\n    # deferred: the module must load without it\n    import re  # noqa: PLC0415\n", []),
+    ("def f():\n    from os import (  # noqa: PLC0415 -- deferred: it is slow to load\n        path,\n    )\n", []),
+    ("import re\nif re:\n    import os\n", []),
+])
+def test_a_bare_noqa_is_no_reason(source, unexplained):
+    assert [line for line, _ in unexplained_function_imports(source)] == unexplained

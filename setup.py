@@ -37,6 +37,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
+        # Pinned exactly: a newer ruff adds rules and changes fixes, so an unchanged checkout could start failing
+        # `ruff check .` in CI (docs/contributing.md#the-linter).
+        "lint": ["ruff==0.17.6"],
         # TensorBoard's Profile tab for --profile_steps traces; large, so optional.
         "profile": ["tensorboard-plugin-profile>=2.15"],
     },

@@ -20,6 +20,8 @@ import dataclasses
 import os
 import time
 
+from gpipe_tf.hyperparams import Params  # TensorFlow-free, unlike the modules main() imports after the line below
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 GiB = 2 ** 30
@@ -61,7 +63,7 @@ def _setting(column: Column, kind: str) -> list[str]:
             f"{kind}.remat='{'never' if naive else 'always'}'"]
 
 
-def amoebanet_params(column: Column, filters: int):
+def amoebanet_params(column: Column, filters: int) -> Params:
     """Params of AmoebaNet-D (L, filters) at 224x224, batch 128, RMSProp, in the column's setting."""
     from gpipe_tf import experiment
 
@@ -71,7 +73,7 @@ def amoebanet_params(column: Column, filters: int):
     return params
 
 
-def transformer_params(column: Column, layers: int):
+def transformer_params(column: Column, layers: int) -> Params:
     """Params of the Transformer of Table 1 with `layers` layers, batch 32, sequence 1024, RMSProp."""
     from gpipe_tf import experiment
     from gpipe_tf.training.optimizers import RMSProp
@@ -86,7 +88,7 @@ def transformer_params(column: Column, layers: int):
     return params
 
 
-def plan_of(params) -> dict:
+def plan_of(params: Params) -> dict:
     """The planner's per-device plan of an experiment's pipeline against its family's budget."""
     from gpipe_tf.memory.plan import plan_pipeline
 

@@ -17,7 +17,8 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from bench import op_breakdown
 from gpipe_tf.gpipe import timeline

@@ -22,7 +22,7 @@ import os
 import tempfile
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 CATEGORIES = ("matmul", "attention", "normalization", "elementwise", "transfer", "idle")
 

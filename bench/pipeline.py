@@ -28,7 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bench import op_breakdown
 
@@ -211,7 +212,8 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         for config in [] if args.peer else [c for c in TRACED if c in steps]:
             step, x, _ = steps[config]
             with tf.device(devices[config[1] - 1]):
-                shares = op_breakdown.trace_workers(cluster.profiler_addresses, lambda: step(x).numpy(), 6000)
+                shares = op_breakdown.trace_workers(cluster.profiler_addresses,
+                                                    lambda step=step, x=x: step(x).numpy(), 6000)
             for worker, share in enumerate(shares):
                 traced_lines.append(f"{config[0]} {config[4]} K={config[1]} M={config[2]} remat={config[3]}, worker "
                                     f"{worker}: {op_breakdown.format_breakdown(share)}")
@@ -345,8 +347,9 @@ def timelines(args: argparse.Namespace) -> list[str]:
                     times.append(time.perf_counter() - start)
                 seconds = statistics.median(times)
                 order = step_order(schedule, k)
-                traced = sorted((measured_timeline.trace_step(cluster.profiler_addresses, lambda: step(x).numpy(),
-                                                              seconds, m, order) for _ in range(args.traced_steps)),
+                traced = sorted((measured_timeline.trace_step(cluster.profiler_addresses,
+                                                              lambda step=step, x=x: step(x).numpy(), seconds, m,
+                                                              order) for _ in range(args.traced_steps)),
                                 key=lambda t: t.bubble_fraction)
             measured = traced[len(traced) // 2]
             base = os.path.join(args.out, f"timeline_{schedule}_m{m}")

@@ -10,7 +10,8 @@ the trainer's (docs/layout.md#floors).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from gpipe_tf import experiment, model_registry
 from gpipe_tf.errors import ConfigError

@@ -14,7 +14,8 @@ import difflib
 import inspect
 import os
 import tokenize
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import gin
 

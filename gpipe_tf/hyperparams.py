@@ -20,7 +20,8 @@ import inspect
 import keyword
 import math
 import types
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["ParamsError", "UnknownParamError", "Params", "InstantiableParams", "parse_overrides"]
 
@@ -343,7 +344,7 @@ _KINDS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reserved(cls: type) -> frozenset[str]:
     # Fields are read as attributes, so a field may not hide a method; 'cls' belongs to InstantiableParams.
     return frozenset(n for n in dir(cls) if not n.startswith("_")) | {"cls"}

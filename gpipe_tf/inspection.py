@@ -17,7 +17,7 @@ from typing import Any
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe.pipeline import find_pipelines
-from gpipe_tf.gpipe.plan import StagePlan, TimingRequired, make_plan
+from gpipe_tf.gpipe.plan import StagePlan, TimingRequiredError, make_plan
 from gpipe_tf.gpipe.schedules import step_order
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.layers.base_layer import count_params
@@ -121,7 +121,7 @@ def inspect(params: Params, overrides: dict[str, Any] | None = None,
         try:
             plan = make_plan(pipe, chunk_devices=step_order(pipe.schedule, pipe.num_stages, path).stage_devices,
                              num_replicas=None, measure=None, path=path)
-        except TimingRequired as e:
+        except TimingRequiredError as e:
             report["note"] = str(e)
             return report
         stages, notes = _stages(pipe, plan, path)

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 # Exactly the notices named above; nothing that could report a real problem.
 KNOWN_NOTICES = tuple(re.compile(p) for p in (

@@ -19,7 +19,8 @@ import json
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from absl import app, flags, logging
 

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 JOB = "worker"
 _PR_SET_PDEATHSIG = 1
@@ -68,7 +68,7 @@ class LocalWorkers:
         """The cluster dict of these workers."""
         return cluster_spec(self.addresses)
 
-    def start(self) -> "LocalWorkers":
+    def start(self) -> LocalWorkers:
         """Starts every server process; returns once all accept connections (or raises)."""
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
         for task in range(self.num_workers):
@@ -108,7 +108,7 @@ class LocalWorkers:
                 proc.wait()
         self.processes = []
 
-    def __enter__(self) -> "LocalWorkers":
+    def __enter__(self) -> LocalWorkers:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,8 @@ import difflib
 import importlib
 import inspect
 import pkgutil
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 # The built-in experiments' package: the checkout's `params/` folder, installed under this name (see setup.py).
 PARAMS_PACKAGE = "gpipe_tf.params"

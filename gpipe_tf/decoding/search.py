@@ -21,7 +21,8 @@ including EOS. A hypothesis still running at max_length is scored as if it ended
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 

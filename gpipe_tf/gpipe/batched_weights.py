@@ -14,7 +14,8 @@ additions into a running sum become one matmul per weight).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 from tensorflow.python.ops import list_ops  # TensorLists with uninitialized elements: no public API reads them

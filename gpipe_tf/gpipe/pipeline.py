@@ -28,7 +28,8 @@ activations; a recomputing stage casts again in its backward and keeps nothing m
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -41,6 +42,7 @@ from gpipe_tf.gpipe.schedules import SCHEDULES, schedule_help, schedule_params  
 from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.sequential import Sequential
+
 
 class GPipe(BaseLayer):
     """Runs `layers` as a K-stage pipeline over M micro-batches; numerically the same as running them in order."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 
@@ -158,7 +158,7 @@ def host_device() -> str:
         return tf.constant(0).device
 
 
-def loop_device(counters: str, condition: str):
+def loop_device(counters: str, condition: str) -> Callable[[tf.Operation], str]:
     """A device function for building a while loop whose state stays on each stage's device.
 
     A lowered while loop places each loop variable's nodes with its initial value, and its condition (and any

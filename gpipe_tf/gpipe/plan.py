@@ -12,15 +12,16 @@ Costs, per layer:
 * ``balance_by='params'`` or ``'flops'``: from Params alone; nothing is built.
 * ``balance_by='time'``: each layer is built once, as a throw-away copy, and timed on a zero micro-batch; this is
   done by the ``measure`` argument (by default `time_layer_params`). `--mode=inspect` promises to build nothing,
-  so it passes ``measure=None`` and gets `TimingRequired`, which it reports instead of showing a split that
-  training would not use. Timings vary from run to run, so two 'time' plans of one model may differ.
+  so it passes ``measure=None`` and gets `TimingRequiredError`, which it reports instead of showing a split
+  that training would not use. Timings vary from run to run, so two 'time' plans of one model may differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -30,7 +31,7 @@ from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 LayerTimer = Callable[[Sequence[InstantiableParams], Any], Sequence[float]]
 
 
-class TimingRequired(ParamsError):
+class TimingRequiredError(ParamsError):
     """The plan needs layer timings (balance_by='time' without an explicit balance) and timing was not allowed."""
 
 
@@ -113,12 +114,12 @@ def make_plan(p: InstantiableParams, *, chunk_devices: Sequence[int] | None = No
       input_spec: one micro-batch of the first layer's input (any nested TensorSpecs), for balance_by 'flops' or
         'time'; None: `micro_batch_spec(p)`.
       num_replicas: data-parallel replicas to place (D); None: leave devices unresolved (plan.devices is None).
-      measure: times the layers for balance_by='time'; None: refuse to, raising TimingRequired.
+      measure: times the layers for balance_by='time'; None: refuse to, raising TimingRequiredError.
       path: the layer's path, for error messages; empty: p.name.
 
     Raises:
       ParamsError: a bad value in `p`; the message names it, the allowed values and the fix.
-      TimingRequired: balance_by='time' with no explicit balance and `measure` is None.
+      TimingRequiredError: balance_by='time' with no explicit balance and `measure` is None.
     """
     path = path or p.name or "GPipe"
     layers = list(p.layers)
@@ -201,9 +202,10 @@ def _layer_costs(p: InstantiableParams, layers: list[InstantiableParams], input_
     if p.balance_by == "flops":
         return tuple(partition.layer_flops(layers, spec))
     if measure is None:
-        raise TimingRequired(f"{path}: balance_by='time' balances by timing each layer, which builds it; this caller "
-                             "builds nothing (e.g. --mode=inspect), so it cannot know the split training will use. "
-                             "Give an explicit balance, or use balance_by='params' or 'flops', to see it here")
+        raise TimingRequiredError(f"{path}: balance_by='time' balances by timing each layer, which builds it; this "
+                                  "caller builds nothing (e.g. --mode=inspect), so it cannot know the split training "
+                                  "will use. Give an explicit balance, or use balance_by='params' or 'flops', to see "
+                                  "it here")
     costs = tuple(float(c) for c in measure(layers, spec))
     if len(costs) != len(layers):
         raise ParamsError(f"{path}: the layer timer returned {len(costs)} times for {len(layers)} layers")

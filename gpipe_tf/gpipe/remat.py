@@ -21,7 +21,8 @@ the peak would grow with M; `tests/pipeline/test_pipeline.py` checks that the ba
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 

@@ -13,7 +13,8 @@ device, so that only stage-boundary activations and their gradients cross device
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import tensorflow as tf
 

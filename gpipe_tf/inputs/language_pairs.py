@@ -7,7 +7,7 @@ spelled-out numbers corpus and the TFDS translation input, so both tag and choos
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["DIRECTIONS", "ENGLISH", "language_tag", "tagged_source", "directions"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import unicodedata
+from collections.abc import Iterable, Sequence
 from numbers import Integral
-from typing import Iterable, Sequence
 
 from num2words import CONVERTER_CLASSES, num2words
 

@@ -15,7 +15,7 @@ train, dev and test by a hash of (corpus_seed, number) (numbers_corpus.split_num
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf

@@ -14,9 +14,8 @@ for once per shape:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 import unicodedata
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf

@@ -28,8 +28,15 @@ import tensorflow_datasets as tfds
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.inputs.language_model_input import LanguageModelInput
-from gpipe_tf.inputs.text_base import (ENCODE_BATCH, bucket_batches, check_bucket_lengths, define_streaming_params,
-                                       encode_padded, finish, normalize)
+from gpipe_tf.inputs.text_base import (
+    ENCODE_BATCH,
+    bucket_batches,
+    check_bucket_lengths,
+    define_streaming_params,
+    encode_padded,
+    finish,
+    normalize,
+)
 from gpipe_tf.inputs.tfds_prepare import ensure_prepared, num_split_examples, prepare_hint, tfds_builder
 
 __all__ = ["TfdsLanguageModelInput", "LM1B"]

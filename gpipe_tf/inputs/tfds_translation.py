@@ -39,8 +39,16 @@ from tensorflow_datasets.translate import wmt
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.inputs import language_pairs
-from gpipe_tf.inputs.text_base import (ENCODE_BATCH, bucket_batches, check_bucket_lengths, default_bucket_lengths,
-                                       define_streaming_params, encode_padded, finish, normalize)
+from gpipe_tf.inputs.text_base import (
+    ENCODE_BATCH,
+    bucket_batches,
+    check_bucket_lengths,
+    default_bucket_lengths,
+    define_streaming_params,
+    encode_padded,
+    finish,
+    normalize,
+)
 from gpipe_tf.inputs.tfds_prepare import ensure_prepared, num_split_examples, prepare_hint, tfds_builder
 from gpipe_tf.inputs.translation_base import TranslationInput
 

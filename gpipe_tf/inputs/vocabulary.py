@@ -20,7 +20,7 @@ import io
 import os
 import re
 import tempfile
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import sentencepiece as spm
 from absl import logging
@@ -43,7 +43,7 @@ def _subsample(texts: list[str], max_sentences: int) -> list[str]:
     # Keeps the texts whose hash is smallest: unlike a stride, this cannot lock onto a pattern in the text
     # order (every 10th sentence of a corpus listed number by number in 10 languages is one language).
     keys = sorted(range(len(texts)),
-                  key=lambda i: hashlib.blake2b(f"{i}|{texts[i]}".encode("utf-8"), digest_size=8).digest())
+                  key=lambda i: hashlib.blake2b(f"{i}|{texts[i]}".encode(), digest_size=8).digest())
     return [texts[i] for i in sorted(keys[:max_sentences])]
 
 

@@ -6,7 +6,8 @@ padding and causal masks combine by addition and broadcast against the [batch, h
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 
@@ -137,7 +138,7 @@ class BaseLayer(tf.Module):
         """A stable id for stateless randomness, from the layer's path (independent of device placement)."""
         return initializers.derive_seed("random", self.path)
 
-    def create_child(self, name: str, params: InstantiableParams) -> "BaseLayer":
+    def create_child(self, name: str, params: InstantiableParams) -> BaseLayer:
         """Builds a child layer from `params`, passing down dtype and a derived seed; returns it."""
         if name in self.children:
             raise ParamsError(f"layer {self.path!r} already has a child named {name!r}")
@@ -155,7 +156,7 @@ class BaseLayer(tf.Module):
         self.children[name] = child
         return child
 
-    def create_children(self, name: str, params_list: list[InstantiableParams]) -> list["BaseLayer"]:
+    def create_children(self, name: str, params_list: list[InstantiableParams]) -> list[BaseLayer]:
         """Builds a list of children named `name_0`, `name_1`, ...; returns them in order."""
         return [self.create_child(f"{name}_{i}", cp) for i, cp in enumerate(params_list)]
 

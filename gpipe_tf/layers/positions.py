@@ -10,7 +10,8 @@ layout works, as long as training and decoding use the same one.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 

@@ -24,7 +24,8 @@ that `inspect` and flops-based balancing work without building the model.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 

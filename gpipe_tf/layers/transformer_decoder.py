@@ -29,7 +29,8 @@ price is attention over max_length keys per step, with the not-yet-written ones 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import tensorflow as tf
 

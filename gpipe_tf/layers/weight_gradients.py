@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 

@@ -92,7 +92,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         mine = [(s, names, mem) for s, names, mem in stages if order.device(s) == d]
         row: dict[str, Any] = {"device": d, "stages": [s for s, _, _ in mine],
                                "layers": [n for _, names, _ in mine for n in names]}
-        for key, value in mine[0][2].as_dict().items():
+        for key in mine[0][2].as_dict():
             row[key] = sum(mem.as_dict()[key] for _, _, mem in mine)
         row["fits"] = None if device_memory is None else row["peak"] <= device_memory
         devices.append(row)

@@ -19,7 +19,8 @@ What a stage holds at its peak, the start of the backward pass of its last stash
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 

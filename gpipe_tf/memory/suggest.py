@@ -11,7 +11,8 @@ are tried in the same order.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams, Params

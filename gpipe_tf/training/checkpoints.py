@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 from google.protobuf import text_format

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import sacrebleu
 import tensorflow as tf
@@ -35,6 +35,13 @@ def score(hypotheses: list[str], references: list[str], languages: list[str]) ->
     return out
 
 
+def _translator(task: tf.Module, ep: Params, max_length: int, bos_id: int, eos_id: int) -> Callable:
+    """The traced decoding of one batch of a dataset (beam or greedy search, as `ep` says)."""
+    return tf.function(lambda batch: task.decode(batch, max_length, beam_size=ep.beam_size,
+                                                 length_penalty_alpha=ep.length_penalty_alpha, bos_id=bos_id,
+                                                 eos_id=eos_id))
+
+
 def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], None], checkpoint: str | None = None,
            progress_log: Callable[[str], None] | None = None,
            clock: progress.Clock = time.perf_counter) -> dict[str, dict[str, float]]:
@@ -54,9 +61,7 @@ def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], No
         inp = params.input.get(name).instantiate()
         vocab = inp.vocab
         max_length = ep.decode_max_length or inp.p.max_length
-        translate = tf.function(lambda batch: task.decode(
-            batch, max_length, beam_size=ep.beam_size, length_penalty_alpha=ep.length_penalty_alpha,
-            bos_id=vocab.bos_id, eos_id=vocab.eos_id))
+        translate = _translator(task, ep, max_length, vocab.bos_id, vocab.eos_id)
         hypotheses = []
         phase = progress.Phase(progress_log or log, f"decode {name} at step {step}", inp.p.num_batches, clock=clock)
         for n, batch in enumerate(inp.dataset(), start=1):

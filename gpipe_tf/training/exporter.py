@@ -22,7 +22,7 @@ full disk is one ConfigError naming the target and the fix.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 

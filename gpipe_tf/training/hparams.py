@@ -14,7 +14,8 @@ experiments, knobs the others do not have are not shown for them.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp

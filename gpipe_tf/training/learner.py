@@ -6,17 +6,17 @@ This is the step logic only; when to run it, checkpoint and summarize is the con
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import tensorflow as tf
 
 from gpipe_tf.gpipe import microbatch, placement
-from gpipe_tf.hyperparams import ParamsError, Params
+from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.tasks.base_task import BaseTask, Metrics
-from gpipe_tf.training import init_from
+from gpipe_tf.training import init_from, lr_schedules, optimizers
 from gpipe_tf.training import loss_scale as loss_scale_lib
-from gpipe_tf.training import lr_schedules, optimizers
 from gpipe_tf.training import weight_ema as weight_ema_lib
 from gpipe_tf.training.replicas import ReplicaLayout
 

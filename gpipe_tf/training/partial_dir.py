@@ -17,7 +17,7 @@ import fcntl
 import os
 import re
 import shutil
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 

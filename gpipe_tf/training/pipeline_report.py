@@ -10,7 +10,7 @@ per-device memory plan (`gpipe_tf/memory`).
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -77,9 +77,9 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
         listing = "; ".join(f"{'' if num_replicas > 1 else 'stages '}{', '.join(names)} share {device}"
                             for device, names in shared.items())
         plural = "s" if len(holders) > 1 else ""
-        warnings.append(f"warning: {pipe.path} places {needed} stages on {len(holders)} device{plural}: {listing}. Results "
-                        "are the same, but stages sharing a device run one after another, not as a pipeline; give "
-                        f"each stage its own device (on a CPU: --logical_devices={needed}) or lower num_stages")
+        warnings.append(f"warning: {pipe.path} places {needed} stages on {len(holders)} device{plural}: {listing}. "
+                        "Results are the same, but stages sharing a device run one after another, not as a pipeline; "
+                        f"give each stage its own device (on a CPU: --logical_devices={needed}) or lower num_stages")
     return warnings
 
 

@@ -8,7 +8,7 @@ tests can check the lines without depending on the machine's speed.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 Clock = Callable[[], float]
 # A progress line at most this often during a phase (seconds).

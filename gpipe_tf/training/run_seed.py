@@ -13,7 +13,7 @@ test) never change with train.seed: runs with different seeds are evaluated on t
 from __future__ import annotations
 
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 from gpipe_tf.hyperparams import Params, ParamsError
 
@@ -27,7 +27,7 @@ def derive(run_seed: int, field: str, base: int | None) -> int:
     """The value of seed `field` for run seed `run_seed` given the experiment's value `base` (a 31-bit int)."""
     if base is None:
         base = _TASK_DEFAULT_SEED
-    return zlib.crc32(f"{field}/{base}/{run_seed}".encode("utf-8")) & 0x7FFFFFFF
+    return zlib.crc32(f"{field}/{base}/{run_seed}".encode()) & 0x7FFFFFFF
 
 
 def apply(params: Params, explicit: Iterable[str]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import tensorflow as tf
 from tensorflow.core.util import event_pb2

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -359,7 +360,11 @@ class PictureLayout:
     tick: float = 0.0
 
 
-def _font(size: int):
+# What _font returns: Pillow's scalable font, or its bitmap font where FreeType is missing.
+_Font = ImageFont.FreeTypeFont | ImageFont.ImageFont
+
+
+def _font(size: int) -> _Font:
     try:
         return ImageFont.load_default(size=size)  # Pillow's built-in scalable font (needs FreeType)
     except (TypeError, ValueError, OSError, ImportError):
@@ -428,7 +433,7 @@ def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[n
     title_font, label_font = _font(_TITLE_PX), _font(_LABEL_PX)
     scratch = ImageDraw.Draw(Image.new("RGB", (1, 1)))
 
-    def size(text: str, font) -> tuple[int, int]:
+    def size(text: str, font: _Font) -> tuple[int, int]:
         box = scratch.textbbox((0, 0), text, font=font)
         return box[2] - box[0], box[3]
 
@@ -458,7 +463,7 @@ def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[n
     grid_left = axis_w
     # Rows of each panel: title, row-axis heading, grid, millisecond labels (measured only), time axis.
     tops, y, width = [], 0, _PAD + legend_w
-    for (timeline, heading), (tick, columns, px, grid_h, grid_w, _, _) in zip(panels, grids):
+    for (timeline, heading), (_, _, _, grid_h, grid_w, _, _) in zip(panels, grids):
         grid_top = y + _PAD + size(heading, title_font)[1] + _PAD + label_h + _PAD // 2
         time_top = grid_top + grid_h + _PAD // 2
         if timeline.is_measured:
@@ -507,8 +512,9 @@ def _compose(panels: list[tuple[Timeline, str]], cell_px: int | None) -> tuple[n
     return np.asarray(canvas, dtype=np.uint8), layouts
 
 
-def _draw_milliseconds(draw, size, font, timeline: Timeline, tick: float, columns: int, cell_px: int,
-                       grid_left: int, grid_bottom: int, width: int) -> None:
+def _draw_milliseconds(draw: ImageDraw.ImageDraw, size: Callable[[str, _Font], tuple[int, int]], font: _Font,
+                       timeline: Timeline, tick: float, columns: int, cell_px: int, grid_left: int, grid_bottom: int,
+                       width: int) -> None:
     """Tick marks and millisecond labels under a measured grid, at round times at least 80 pixels apart."""
     px_per_ms = cell_px / (tick * 1e3)
     step = _nice_step(_MIN_TICK_LABEL_PX / px_per_ms)

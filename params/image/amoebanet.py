@@ -83,8 +83,8 @@ class AmoebaNetBase(Experiment):
 
     def training(self) -> Params:
         """RMSProp (decay 0.9, epsilon 0.1), cosine decay."""
-        from gpipe_tf.training.optimizers import RMSProp
         from gpipe_tf.training.lr_schedules import Cosine
+        from gpipe_tf.training.optimizers import RMSProp
 
         p = super().training()
         p.set(max_steps=self.max_steps, learning_rate=self.learning_rate, summary_interval_steps=20,

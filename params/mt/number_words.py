@@ -80,8 +80,8 @@ class NumbersTiny(Experiment):
 
     def training(self) -> Params:
         """Adam with linear warm-up then 1/sqrt decay (peak = learning_rate), gradient clipping."""
-        from gpipe_tf.training.optimizers import Adam
         from gpipe_tf.training.lr_schedules import LinearWarmupRsqrtDecay
+        from gpipe_tf.training.optimizers import Adam
 
         p = super().training()
         p.set(max_steps=self.max_steps, learning_rate=self.learning_rate, clip_gradient_norm=1.0,

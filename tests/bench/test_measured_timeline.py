@@ -37,9 +37,9 @@ def test_cells_count_runs_of_each_op_in_micro_batch_order():
     fwd = "while/body/_1/while/gpipe0_stage0/forward/MatMul"
     bwd = "while/body/_1/gradient_tape/while/gpipe0_stage0/forward/MatMul/MatMul"
     plan = [("gradient_tape/while/gpipe0_stage0/sum/accumulator", "AddV2", 0.001)]  # once per step: skipped
-    for i in range(m):
+    for _ in range(m):
         plan += [(fwd, "_MklMatMul", 0.01), (bwd + "/Shape", "Shape", 0.001)]  # shape ops run early: ignored
-    for i in range(m):
+    for _ in range(m):
         plan += [(bwd, "_MklMatMul", 0.02), ("while/body/_1/Relu/_7", "_Send", 0.001)]
     events = _events(plan)
     for order, backward_order in (("one_f_one_b", [0, 1, 2]), ("fill_drain", [2, 1, 0])):

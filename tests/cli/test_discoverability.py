@@ -65,9 +65,9 @@ def test_console_script_help_lists_the_trainer_flags(tmp_path):
 
 
 def test_fewer_logical_devices_than_stages_warns_naming_the_shared_device(tmp_path):
-    result = subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", f"--logdir={tmp_path}",
-                             "--logical_devices=1", "--gin_param=BlobsMlpGPipe.num_stages=3", "--max_steps=1",
-                             "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
+                             f"--logdir={tmp_path}", "--logical_devices=1", "--gin_param=BlobsMlpGPipe.num_stages=3",
+                             "--max_steps=1", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     warning = [line for line in result.stdout.splitlines() if line.startswith("warning: ")]
     assert warning == ["warning: classifier/network places 3 stages on 1 device: stages 0, 1, 2 share "

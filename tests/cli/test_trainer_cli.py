@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_runs import checkpoint_values
 

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
+
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import file_size_limit, one_error_line
 

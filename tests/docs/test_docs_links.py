@@ -32,7 +32,7 @@ def test_relative_links_resolve():
 def test_repository_paths_named_in_the_docs_exist():
     missing = []
     for page in pages():
-        for path in re.findall(r"`((?:%s)/[\w./-]*)`" % "|".join(REPOSITORY_FOLDERS), read(page)):
+        for path in re.findall(rf"`((?:{'|'.join(REPOSITORY_FOLDERS)})/[\w./-]*)`", read(page)):
             if not os.path.exists(os.path.join(ROOT, path)):
                 missing.append((os.path.relpath(page, ROOT), path))
     assert not missing, f"files named in the docs that do not exist: {missing}"

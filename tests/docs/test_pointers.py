@@ -33,9 +33,9 @@ _QUOTED = (r"(?<![\w/.-])(README(?:\.md)?|(?:docs/)?[\w-]+\.md)`?(?:'s)?,?[ \t]*
 # about what it holds. Such text cites the section instead.
 _VAGUE = (r"README's(?: [\w-]+){1,3} section\b|README[ ]section\b|README[ ](?:quotes|lists|says|shows|gives|has)\b"
           r"|\b[Ss]ee (?:the )?README\b(?!\.md)")
-_REPOSITORY_PATH = r"(?<![\w./-])((?:%s)/[\w./-]*)" % "|".join(REPOSITORY_FOLDERS)
+_REPOSITORY_PATH = rf"(?<![\w./-])((?:{'|'.join(REPOSITORY_FOLDERS)})/[\w./-]*)"
 _MODULE_FILE = r"`(\w+\.py)`"
-_DOTTED = r"(?<![\w.])((?:%s)(?:\.\w+)+)" % "|".join(DOTTED_ROOTS)
+_DOTTED = rf"(?<![\w.])((?:{'|'.join(DOTTED_ROOTS)})(?:\.\w+)+)"
 
 # Stale pointers in files another change is rewriting (they cannot be mended here). Each entry must still occur:
 # once its file is mended, the test says to remove the entry, so the list never hides a new pointer.

@@ -2,8 +2,7 @@
 
 import pytest
 
-from gpipe_tf import model_registry
-from gpipe_tf import experiment, inspection
+from gpipe_tf import experiment, inspection, model_registry
 
 PUBLISHED = {  # trainable parameters, no aux head ([GP], [AMB]; tolerance as in issue 5)
     "image.amoebanet.AmoebaNetB_18_512_ImageNet480": (557e6, 0.01),

@@ -27,7 +27,7 @@ BUILT = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _report(name: str) -> dict[str, Any]:
     params, _ = resolve_params(f"mt.gpipe_paper.{name}")
     return inspect(params)

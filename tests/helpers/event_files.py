@@ -1,7 +1,7 @@
 """Reading what a run wrote for TensorBoard: the events of a logdir's event files and its HParams session."""
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import tensorflow as tf
 from tensorboard.plugins.hparams import metadata as hparams_metadata

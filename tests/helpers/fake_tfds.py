@@ -12,8 +12,9 @@ import io
 import os
 import tarfile
 import unittest.mock
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import tensorflow_datasets as tfds

@@ -15,7 +15,7 @@ DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
 def mlp_layers(dtype, dropout=0.0, width=6, depth=8):
     layers = []
-    for i in range(depth):
+    for _ in range(depth):
         layers.append(Linear.params().set(input_dim=width, output_dim=width, activation="tanh"))
         if dropout:
             layers.append(Dropout.params().set(rate=dropout))

@@ -3,7 +3,7 @@
 import resource
 import signal
 import subprocess
-from typing import Callable
+from collections.abc import Callable
 
 
 def one_error_line(result: subprocess.CompletedProcess, code: int = 2, only: bool = True) -> str:

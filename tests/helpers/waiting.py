@@ -4,7 +4,8 @@ The bound only stops a test that would otherwise hang; no test asserts how long 
 """
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 

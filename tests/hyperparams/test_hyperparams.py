@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
+from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError, UnknownParamError, parse_overrides
 from tests.helpers.paths import ROOT
-from gpipe_tf.hyperparams import (InstantiableParams, Params, ParamsError, UnknownParamError,
-                                  parse_overrides)
 
 
 class Builder:
@@ -545,7 +544,8 @@ def test_a_node_set_to_a_class_path_becomes_that_class_default_params():
     with pytest.raises(ParamsError, match=r"layer: cannot set 'narrow' \(it is a nested InstantiableParams of _Narrow; "
                                           r"give a class path"):
         p.override("layer", "narrow")  # _Narrow knows no short names (no named_params)
-    with pytest.raises(ParamsError, match=r"layer=tests.hyperparams.test_hyperparams.Builder: .*Builder has no params\(\)"):
+    with pytest.raises(ParamsError,
+                       match=r"layer=tests.hyperparams.test_hyperparams.Builder: .*Builder has no params\(\)"):
         p.override("layer", "tests.hyperparams.test_hyperparams.Builder")
     frozen = p.copy().freeze()
     with pytest.raises(ParamsError, match="frozen"):

@@ -6,8 +6,7 @@ import tensorflow as tf
 
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.hyperparams import ParamsError
-from gpipe_tf.layers.attention import (FeedForward, MultiHeadAttention, causal_bias, large_negative_number,
-                                       padding_bias)
+from gpipe_tf.layers.attention import FeedForward, MultiHeadAttention, causal_bias, large_negative_number, padding_bias
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.sequential import Sequential
 from gpipe_tf.layers.transformer import TransformerEncoderLayer

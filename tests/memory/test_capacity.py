@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from gpipe_tf.errors import ConfigError
 from gpipe_tf.capacity import capacity, format_capacity, largest, plan_with, stage_counts
+from gpipe_tf.errors import ConfigError
 
 MODEL = "mt.gpipe_paper.TransformerLTinyOffline"
 SHAPED = "task.network.micro_batch_shape=[4, 16],task.network.input_dtype='int32'"

@@ -4,12 +4,12 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf.errors import ConfigError
-from gpipe_tf.layers.attention import MultiHeadAttention
-from gpipe_tf.layers.linear import Linear
-from gpipe_tf.layers.normalization import LayerNorm
 from gpipe_tf.layers.amoebanet.cells import Cell
 from gpipe_tf.layers.amoebanet.network import amoebanet_layers
 from gpipe_tf.layers.amoebanet.ops import SepConv
+from gpipe_tf.layers.attention import MultiHeadAttention
+from gpipe_tf.layers.linear import Linear
+from gpipe_tf.layers.normalization import LayerNorm
 from gpipe_tf.memory import stage
 from tests.helpers.pipeline_models import PairConv
 

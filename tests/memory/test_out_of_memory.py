@@ -35,7 +35,7 @@ tensor_shape {
 }
 float_val: 1
 
-	 [[{{node while/gpipe0_stage1/Fill}}]]
+\t [[{{node while/gpipe0_stage1/Fill}}]]
   (1) CANCELLED:  Function was cancelled before it was started
 0 successful operations.
 0 derived errors ignored. [Op:__inference__train_step_1492]"""
@@ -147,8 +147,8 @@ def test_training_that_runs_out_of_memory_ends_with_one_line(tmp_path, ballast, 
     logdir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "trainer.py", "--module=heavyexp", "--model=heavyexp.HeavyMlp", f"--logdir={logdir}",
-         f"--gin_param=HeavyMlp.ballast='{ballast}'", "--device_memory=64KiB"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-        preexec_fn=address_space_limit(16 * 2 ** 30))
+         f"--gin_param=HeavyMlp.ballast='{ballast}'", "--device_memory=64KiB"], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=600, preexec_fn=address_space_limit(16 * 2 ** 30))
     # Warned before the first step: the planner alone already says 64 KiB is too little.
     assert "warning: the planner predicts task.network needs " in result.stdout, result.stdout
     assert "more than --device_memory=64KiB" in result.stdout, result.stdout

@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf.gpipe import placement
-from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.batch_norm import BatchNorm
 from gpipe_tf.layers.linear import Linear
@@ -106,8 +106,7 @@ def test_training_mode_gradients_equal_micro_batches_fed_one_by_one():
 def test_two_replicas_of_two_micro_batches_equal_one_pipeline_of_four(monkeypatch):
     """D=2 replicas x M=2 see the same micro-batches as D=1 x M=4: same loss, weights and moving averages
     (the replicas' batch statistics are summed across replicas before the once-per-step update)."""
-    from gpipe_tf.training.replicas import replica_home_devices
-    from gpipe_tf.training.replicas import ReplicaLayout
+    from gpipe_tf.training.replicas import ReplicaLayout, replica_home_devices
 
     x = tf.constant(RNG.normal(size=(B, D)))
     labels = tf.constant(RNG.integers(0, 3, size=B), tf.int32)

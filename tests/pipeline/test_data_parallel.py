@@ -16,10 +16,10 @@ from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.tasks.classifier import ClassifierTask
 from gpipe_tf.training import replicas
-from gpipe_tf.training.replicas import replica_home_devices
 from gpipe_tf.training.learner import Learner
-from tests.helpers.trainer_runs import checkpoint_values
+from gpipe_tf.training.replicas import replica_home_devices
 from tests.helpers.paths import ROOT
+from tests.helpers.trainer_runs import checkpoint_values
 
 KEY = "toy.classifier.BlobsMlpGPipe"
 

@@ -210,7 +210,7 @@ def test_fill_drain_keeps_every_stage_state_on_its_device(remat, matmuls):
     # Each micro-batch, floats cross only from stage to stage (an activation forward, its gradient backward);
     # CPU:0 sends and receives only the loops' control (booleans, counters, control edges).
     crossings = collections.Counter()
-    for device, op, name, node in ops:
+    for device, op, _, node in ops:
         # Inside the loops: not a control edge, not a loop's final value (once per step).
         inside = op == "_Send" and "while" in node.input[0] and not any(
             tag in node.input[0] for tag in ("/ctrl/", "/exit/"))

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpipe_tf import model_registry
-from gpipe_tf import experiment, inspection
+from gpipe_tf import experiment, inspection, model_registry
 from gpipe_tf.gpipe import placement, remat
 from gpipe_tf.gpipe.pipeline import GPipe
-from gpipe_tf.gpipe.plan import StagePlan, TimingRequired, make_plan
+from gpipe_tf.gpipe.plan import StagePlan, TimingRequiredError, make_plan
 from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer
 from gpipe_tf.layers.linear import Linear
@@ -201,7 +200,7 @@ def test_costs_and_balance_follow_the_cost_kind():
 def test_time_balance_is_refused_where_nothing_may_be_built():
     p = GPipe.params().set(name="net", layers=linear_layers(4), num_stages=2, balance_by="time",
                            micro_batch_shape=[8, 4])
-    with pytest.raises(TimingRequired, match="net: balance_by='time' balances by timing each layer"):
+    with pytest.raises(TimingRequiredError, match="net: balance_by='time' balances by timing each layer"):
         make_plan(p, measure=None)
     root = Params()
     root.define("model", "test.timed", "")

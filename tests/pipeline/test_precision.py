@@ -69,7 +69,7 @@ def test_fill_drain_stage_boundaries_are_bfloat16_and_gradient_sums_float32(rema
     step = placed_step(layer)
     ops = placed_ops(step, tf.constant(X), pipeline=layer)
     crossings = set()
-    for device, op, name, node in ops:
+    for device, op, _, node in ops:
         source = node.input[0] if op == "_Send" else ""
         if "while" in source and not any(tag in source for tag in ("/ctrl/", "/exit/")):  # per micro-batch, not control
             dtype = tf.as_dtype(node.attr["T"].type)

@@ -212,7 +212,7 @@ def test_one_f_one_b_keeps_every_stage_on_its_device(remat, matmuls):
     # As fill-drain's: forward, recomputation and backward matmuls; stage 0 skips its data input's gradient.
     assert {d: matmul_count[d] for d in ("CPU:0", "CPU:1", "CPU:2")} == {"CPU:0": 0, **matmuls}
     crossings = collections.Counter()
-    for device, op, name, node in ops:
+    for device, op, _, node in ops:
         inside = op == "_Send" and "while" in node.input[0] and not any(tag in node.input[0]
                                                                         for tag in ("/ctrl/", "/exit/"))
         if inside:

@@ -3,8 +3,8 @@
 import subprocess
 import sys
 import textwrap
-from tests.helpers.paths import ROOT
 
+from tests.helpers.paths import ROOT
 
 SCRIPT = textwrap.dedent("""
     import numpy as np

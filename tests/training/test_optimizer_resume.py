@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+
 from tests.helpers.paths import ROOT
 
 

@@ -1,8 +1,8 @@
 """Configuration errors found only while tf.function traces a step keep their type: a ParamsError, not
 TensorFlow's StagingError, so callers catching ParamsError see it, with its one-line message."""
 
-import tensorflow as tf
 import pytest
+import tensorflow as tf
 
 from gpipe_tf import experiment
 from gpipe_tf.errors import ConfigError

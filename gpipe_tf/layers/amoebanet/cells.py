@@ -13,7 +13,8 @@ and on TensorSpecs while adding up flops, so the cost model cannot drift from th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import tensorflow as tf
 

@@ -8,7 +8,8 @@ through `set_training_step` (the learner calls it before every step). Without a 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 

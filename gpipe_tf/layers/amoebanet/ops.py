@@ -5,7 +5,8 @@ fs below is the filter count of the cell; no convolution has a bias (batch norm 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import tensorflow as tf
 

@@ -61,7 +61,7 @@ def split_steps(per_worker: Sequence[list[Event]], min_gap: float) -> list[tuple
 def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float], num_micro_batches: int,
                   order: ScheduleOrder) -> list[timeline.Cell]:
     """The cells of the step in `window` of a schedule running `order` (`Schedule.step_order(K)`); row = worker,
-    chunk = the stage's chunk on its device (`ScheduleOrder.chunk`; see the module doc).
+    lap = which of its device's chunks the cell's chunk is (`ScheduleOrder.lap`; see the module doc).
 
     Raises:
       ValueError: an op ran neither once nor M times in the step, or no stage op ran M times (not a loop
@@ -98,9 +98,9 @@ def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float]
         for (stage, phase, micro_batch), intervals in ops.items():
             start, end = _span(intervals)
             if order.device(stage) != row:
-                raise ValueError(f"pipeline stage {stage} ran on worker {row}; expected worker {order.device(stage)}")
+                raise ValueError(f"chunk {stage} ran on worker {row}; expected worker {order.device(stage)}")
             ops = tuple(sorted((a, b) for a, b in intervals if start <= a and b <= end))
-            cells.append(timeline.Cell(row, micro_batch, phase, start, end, chunk=order.chunk(stage), ops=ops))
+            cells.append(timeline.Cell(row, micro_batch, phase, start, end, lap=order.lap(stage), ops=ops))
     if not any(c.phase != timeline.TRANSFER for c in cells):
         raise ValueError("no stage op ran M times in this step: a part of a stalled step, or not a pipeline")
     return cells
@@ -162,7 +162,7 @@ def to_json(measured: timeline.Timeline, schedule: str) -> dict:
     its op intervals, so that `from_json` can rebuild it and a later prediction can be set beside it."""
     return dict(schedule=schedule, k=measured.num_stages, m=measured.num_micro_batches,
                 virtual_stages=measured.virtual_stages,
-                cells=[dict(row=c.stage, chunk=c.chunk, micro_batch=c.micro_batch, phase=c.phase, start=c.start,
+                cells=[dict(row=c.stage, lap=c.lap, micro_batch=c.micro_batch, phase=c.phase, start=c.start,
                             end=c.end, ops=[list(op) for op in c.ops]) for c in measured.cells])
 
 
@@ -178,7 +178,8 @@ def from_json(data: dict, order: ScheduleOrder) -> timeline.Timeline:
     if order.num_devices != data["k"]:
         raise ValueError(f"the saved timeline ran on K={data['k']} workers but the {order.name} order given is for "
                          f"K={order.num_devices}: pass the order for K={data['k']}")
-    cells = [timeline.Cell(c["row"], c["micro_batch"], c["phase"], c["start"], c["end"], c["chunk"],
+    # "chunk": the key of the lap in files written by earlier versions.
+    cells = [timeline.Cell(c["row"], c["micro_batch"], c["phase"], c["start"], c["end"], c.get("lap", c.get("chunk")),
                            tuple((a, b) for a, b in c.get("ops", ()))) for c in data["cells"]]
     if not any(c.ops for c in cells):
         raise ValueError("the saved timeline has no op intervals (a file written before they were saved): its "
@@ -188,7 +189,7 @@ def from_json(data: dict, order: ScheduleOrder) -> timeline.Timeline:
 
 def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
     """The schedule's predicted timeline with the measured step's median forward and backward cost of each
-    pipeline stage, so that the two pictures differ only by what the prediction leaves out (transfers, executor
+    chunk, so that the two pictures differ only by what the prediction leaves out (transfers, executor
     overhead, waiting, ops of different micro-batches sharing a worker). A cell's cost is its compute (the union
     of its ops' intervals, `Cell.compute`), not its span: where a worker ran the next micro-batch's forward beside
     the current backward, both spans cover both cells' ops, and costs from spans would count that time twice."""
@@ -199,8 +200,8 @@ def predicted_from(measured: timeline.Timeline) -> timeline.Timeline:
     backward: dict[int, list[float]] = collections.defaultdict(list)
     for cell in measured.cells:
         if cell.phase in (timeline.FORWARD, timeline.BACKWARD):
-            stage = measured.pipeline_stage(cell)
-            (forward if cell.phase == timeline.FORWARD else backward)[stage].append(cell.compute)
+            chunk = measured.chunk(cell)
+            (forward if cell.phase == timeline.FORWARD else backward)[chunk].append(cell.compute)
     costs = [max(statistics.median(forward[s]), 1e-9) for s in range(k * v)]
     backward_costs = [max(statistics.median(backward[s]), 1e-9) for s in range(k * v)]
     return timeline.predict(measured.order, measured.num_micro_batches, costs, backward_costs=backward_costs)

@@ -91,7 +91,7 @@ def isolated_stages(model: str, gin: tuple[str, ...], overrides: str) -> tuple[A
     params, _ = experiment.resolve_params(model, gin_bindings=list(gin), overrides=overrides)
     pipe = params.task.network
     order = plan_lib.schedule_order(pipe, "task.network")
-    plan = make_plan(pipe, chunk_devices=order.stage_devices, num_replicas=None, measure=None, path="task.network")
+    plan = make_plan(pipe, chunk_devices=order.devices_by_chunk, num_replicas=None, measure=None, path="task.network")
     stashes = stashed_micro_batches(order, pipe.num_micro_batches)
     compute = tf.as_dtype(pipe.fprop_dtype or pipe.dtype or "float32")
     spec = stage_lib.compute_spec(tf.TensorSpec(pipe.micro_batch_shape, pipe.input_dtype), compute.name)

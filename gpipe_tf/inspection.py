@@ -119,7 +119,7 @@ def inspect(params: Params, overrides: dict[str, Any] | None = None,
         report.update(pipeline=path, num_micro_batches=pipe.num_micro_batches, remat=pipe.remat, balance=None,
                       cost_kind=None, note=None, estimate_notes=[])
         try:
-            plan = make_plan(pipe, chunk_devices=step_order(pipe.schedule, pipe.num_stages, path).stage_devices,
+            plan = make_plan(pipe, chunk_devices=step_order(pipe.schedule, pipe.num_stages, path).devices_by_chunk,
                              num_replicas=None, measure=None, path=path)
         except TimingRequiredError as e:
             report["note"] = str(e)

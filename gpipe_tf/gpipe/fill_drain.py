@@ -6,7 +6,7 @@ i+1 while stage 1 runs micro-batch i, which gives GPipe's fill (`parallel_iterat
 Backward: TensorFlow's gradient of that loop, a second loop that starts once the whole output gradient exists
 (all forwards, then all backwards, micro-batches in reverse), so the graph does not grow with M.
 
-Where things live, and why (checked on the placed graph, `tests/test_pipeline.py`):
+Where things live, and why (checked on the placed graph, `tests/pipeline/test_pipeline.py`):
 
 * A lowered while loop places each loop variable's nodes with its initial value, and runs its condition (and
   any unplaced body node) on the While op's device (`placement.loop_device`). Every op here is built under its
@@ -16,11 +16,10 @@ Where things live, and why (checked on the placed graph, `tests/test_pipeline.py
 * The While ops themselves (forward and backward) sit on this process's CPU (`placement.host_device()`), which
   runs no stage, and the forward loop's condition is its own iteration count (`maximum_iterations`), kept
   there too: the next micro-batch never waits for a stage's answer. A single-thread worker handles a message
-  only when its current chain of ops ends, so a condition that needed a busy stage (the last stage's counter,
-  as it once did) held the first stage's next forward until the last stage finished the current one: the
-  forward ran the stages in turn (measured: 2.42 s against 1.99 s per step on workload (a), K=2, M=8). The
-  backward loop's counter and condition sit on the host too (`placement.colocate_gradients`); with them on
-  the last stage the weight-heavy workload's step was 1.2x the unrolled schedule's, with them here 1.1x.
+  only when its current chain of ops ends, so a condition that needed a busy stage (the last stage's counter)
+  would hold the first stage's next forward until the last stage finished the current one, and the forward would
+  run the stages in turn. The backward loop's counter and condition sit on the host too
+  (`placement.colocate_gradients`) for the same reason: on the last stage the backward would wait for it.
 * Each stage's weights are loop variables passed through unchanged, so TensorFlow's backward loop sums their
   gradients in loop variables that start from zeros made here on the stage's device. (In-place additions into
   variables would be stateful ops, and a lowered loop starts its next iteration only after all of the
@@ -37,15 +36,16 @@ Where things live, and why (checked on the placed graph, `tests/test_pipeline.py
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from gpipe_tf.gpipe import batched_weights, loop_parts, microbatch, orders, placement
-from gpipe_tf.gpipe.leaves import float_leaves, is_float, with_float_leaves
+from gpipe_tf.gpipe.leaves import is_float, with_float_leaves
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import stage_op
-from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule, stopped_arguments
+from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 
@@ -60,7 +60,7 @@ class FillDrain(Schedule, short_name="fill_drain"):
         p = super().params()
         p.define("parallel_iterations", 1, "Loop iterations (micro-batches) each device runs at once. 1 (default): a "
                  "stage works on one micro-batch at a time while the other stages work on theirs; higher values "
-                 "measured no faster on single-thread workers and use more memory.")
+                 "run no faster on single-thread workers and keep more micro-batches' stashes alive.")
         return batched_weights.define_knob(p)
 
     def __init__(self, params: InstantiableParams, path: str = "") -> None:
@@ -90,104 +90,130 @@ def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1,
     batch_weight_gradients: route the watched matmuls' inputs and output gradients out of the backward loop and
       compute each weight's gradient once after it (`batched_weights.RoutedStashes`).
     """
-    k, m = job.num_chunks, job.num_micro_batches
-    devices, scopes = job.devices, job.stage_scopes
-    aux_spec = job.aux_spec
-    flat_aux_spec = tf.nest.flatten(aux_spec)
-    num_aux = len(flat_aux_spec)
-    flat_inputs = float_leaves(inputs)
-    flat_theta = [list(ws) for ws in job.stage_weights]
-    input_gradient = job.input_gradient
-    flat_spec = tf.nest.flatten(job.output_spec)
-    result: dict[str, Any] = {}
+    return FillDrainLoop(job, inputs, parallel_iterations, batch_weight_gradients).run()
 
-    @tf.custom_gradient
-    def pipeline(*args: tf.Tensor) -> Any:
-        xs, thetas, _ = stopped_arguments(args, devices[0], len(flat_inputs), [len(f) for f in flat_theta])
-        tape = tf.GradientTape(watch_accessed_variables=False)
-        with tape:
-            flat_weights = [w for ws in thetas for w in ws]
-            tape.watch(flat_weights + (xs if input_gradient else []))
-            with tf.device(devices[0]):
-                micro = microbatch.split(with_float_leaves(inputs, xs), m)
-            routed = _routed_stashes(job, thetas, micro) if batch_weight_gradients else None
-            if routed is not None:
-                tape.watch(routed.sources)
 
-            def body(i: tf.Tensor, first: tf.Tensor, weights: tuple, counters: tuple, *state: Any) -> tuple:
-                # One counter per end of the pipeline (first: the first stage's; i: the last stage's), so
-                # that what the backward keeps of each index stays on its stage's device; with batched weight
-                # gradients, one per stage (`counters`) for the index of its placeholders.
-                aux_sums, arrays = state[:num_aux], state[num_aux:]
-                first_next, _, h, micro_ctx = loop_parts.next_micro_batch(job, first, micro, bool(aux_spec))
-                counters_next = []
-                for s in range(k):
-                    with placement.on_stage(scopes[s]):
-                        # The stage's own copy of its input: what the backward keeps of it stays here.
-                        h = tf.nest.map_structure(tf.identity, h)
+class LoopState(NamedTuple):
+    """The fill-drain loop's variables. One counter per end of the pipeline, so that what the backward keeps of
+    each index stays on its chunk's device."""
 
-                        def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
-                            return job.run_stage(s, ws, x, micro_ctx)
-                        stash, extra = None, []
-                        if routed is not None:
-                            counters_next.append(counters[s] + 1)
-                            stash, extra = routed.stash(s), routed.placeholders(s, counters_next[-1] - 1)
-                        h = stage_op(fn, list(weights[s]) + extra, h, s > 0 or input_gradient, job.plan.remat[s],
-                                     devices[s], stash)
-                with placement.on_stage(scopes[-1]):
-                    i_next = i + 1
-                    index = i_next - 1  # a tensor of this stage (the loop's own input would be kept elsewhere)
-                    arrays = tuple(a.write(index, leaf) for a, leaf in zip(arrays, tf.nest.flatten(h)))
-                    if aux_spec:
-                        stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec})
-                        aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
-                return (i_next, first_next, weights, tuple(counters_next), *aux_sums, *arrays)
+    last: tf.Tensor  # the last chunk's micro-batch counter (it writes the outputs)
+    first: tf.Tensor  # the first chunk's micro-batch counter (it reads the micro-batches)
+    weights: tuple  # per chunk, its weights, passed through unchanged (see the module doc)
+    route_counters: tuple  # with batched weight gradients, per chunk, the counter indexing its placeholders
+    aux_sums: tuple  # the sums of the auxiliary statistics (`PipelineJob.aux_spec`), flat
+    outputs: tuple  # the output's leaves per micro-batch: TensorArrays on the last chunk
 
-            with tf.device(devices[-1]):
-                arrays = tuple(tf.TensorArray(sp.dtype, size=m, element_shape=sp.shape) for sp in flat_spec)
-                aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in flat_aux_spec)
-            condition = placement.host_device()
-            # The weights are loop variables passed through unchanged: their gradient is a loop variable of the
-            # backward loop that starts from the zeros below, on the stage's device, and sums there.
-            stage_counters = tuple(loop_parts.counters(devices)) if routed is not None else ()
-            _, _, weights_out, _, *state = loop_parts.host_loop(
-                body, (*loop_parts.counters([devices[-1], devices[0]]), tuple(tuple(ws) for ws in thetas),
-                       stage_counters, *aux_zeros, *arrays), m, parallel_iterations)
-            with tf.device(devices[-1]):
-                flat_out = [microbatch.merge(a.stack()) for a in state[num_aux:]]
-        if aux_spec:
-            result["aux"] = tf.nest.pack_sequence_as(aux_spec, state[:num_aux])
-        result["out"] = flat_out
-        out_float = [t for t in flat_out if is_float(t)]
 
-        def grad_fn(*dy: tf.Tensor) -> list[tf.Tensor]:
-            with tf.device(devices[-1]):
-                dy = [tf.identity(d) for d in dy]
-            ends, starts = [], []
-            for s in range(k):
-                with tf.device(devices[s]):
-                    ends += list(weights_out[s])
-                    starts += [tf.zeros_like(w) for w in weights_out[s]]
-            wrt = flat_weights + (xs if input_gradient else [])
-            sources = routed.sources if routed is not None else []
-            # Counters and the outputs (TensorArrays) live on the last stage; so do their gradients.
-            with placement.colocate_gradients(devices[-1], condition):
-                grads = tape.gradient(out_float + ends, wrt + sources, output_gradients=dy + starts,
-                                      unconnected_gradients=tf.UnconnectedGradients.NONE)
-            if routed is not None:  # W: one matmul per watched weight, on its stage's device
-                grads[:len(flat_weights)] = routed.add_weight_gradients(grads[len(wrt):], grads[:len(flat_weights)])
-            grads = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[:len(wrt)], wrt)]
-            sums = grads[:len(flat_weights)]
-            dx = grads[len(flat_weights):] if input_gradient else [tf.zeros_like(a) for a in xs]
-            return list(dx) + list(sums)
+class FillDrainLoop:
+    """The loop of the module doc for one job: `run` builds it, its gradient is TensorFlow's."""
 
-        return out_float, grad_fn
+    def __init__(self, job: PipelineJob, inputs: Any, parallel_iterations: int, batch_weight_gradients: bool) -> None:
+        self.job, self.parallel_iterations = job, parallel_iterations
+        self.batch_weight_gradients = batch_weight_gradients
+        self.arguments = loop_parts.OpArguments.of(job, inputs)
+        self.result: dict[str, Any] = {}  # filled inside the custom gradient: outputs and summed aux statistics
 
-    float_out = pipeline(*flat_inputs, *[w for flat in flat_theta for w in flat])
-    floats = iter(float_out)
-    outputs = tf.nest.pack_sequence_as(job.output_spec,
-                                       [next(floats) if is_float(o) else o for o in result["out"]])
-    return outputs, result.get("aux")
+    def run(self) -> tuple[Any, dict[str, Any] | None]:
+        """The loop as one `tf.custom_gradient` op: (outputs, summed aux statistics or None)."""
+        job = self.job
+
+        @tf.custom_gradient
+        def pipeline(*args: tf.Tensor) -> Any:
+            split = self.arguments.stopped(args, job.devices[0])
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+                weights_out = self.forward(tape, split)
+            out_float = [t for t in self.result["out"] if is_float(t)]
+            return out_float, lambda *dy: self.gradients(tape, split, weights_out, out_float, dy)
+
+        float_out = iter(pipeline(*self.arguments.flat))
+        outputs = tf.nest.pack_sequence_as(job.output_spec,
+                                           [next(float_out) if is_float(o) else o for o in self.result["out"]])
+        return outputs, self.result.get("aux")
+
+    def forward(self, tape: tf.GradientTape, split: loop_parts.SplitArguments) -> tuple:
+        """Every micro-batch through every chunk in one loop, recorded on `tape`: each chunk's weights as the loop
+        returns them (the ends of the gradient sums' loop variables); keeps the outputs and aux sums in `result`."""
+        job = self.job
+        tape.watch([w for ws in split.chunk_weights for w in ws] + (split.inputs if job.input_gradient else []))
+        with tf.device(job.devices[0]):
+            self.micro = microbatch.split(with_float_leaves(self.arguments.inputs, split.inputs),
+                                          job.num_micro_batches)
+        self.routed = _routed_stashes(job, split.chunk_weights, self.micro) if self.batch_weight_gradients else None
+        if self.routed is not None:
+            tape.watch(self.routed.sources)
+        with tf.device(job.devices[-1]):
+            arrays = tuple(tf.TensorArray(sp.dtype, size=job.num_micro_batches, element_shape=sp.shape)
+                           for sp in tf.nest.flatten(job.output_spec))
+            aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in tf.nest.flatten(job.aux_spec))
+        last, first = loop_parts.counters([job.devices[-1], job.devices[0]])
+        route_counters = tuple(loop_parts.counters(job.devices)) if self.routed is not None else ()
+        # The weights are loop variables passed through unchanged: their gradient is a loop variable of the
+        # backward loop that starts from the zeros made in `gradients`, on the chunk's device, and sums there.
+        state = LoopState(last=last, first=first, weights=tuple(tuple(ws) for ws in split.chunk_weights),
+                          route_counters=route_counters, aux_sums=aux_zeros, outputs=arrays)
+        final = loop_parts.host_loop(self.body, state, job.num_micro_batches, self.parallel_iterations)
+        with tf.device(job.devices[-1]):
+            self.result["out"] = [microbatch.merge(a.stack()) for a in final.outputs]
+        if job.aux_spec:
+            self.result["aux"] = tf.nest.pack_sequence_as(job.aux_spec, list(final.aux_sums))
+        return final.weights
+
+    def body(self, state: LoopState) -> LoopState:
+        """One micro-batch through every chunk, its output written on the last chunk."""
+        job = self.job
+        first, _, h, ctx = loop_parts.next_micro_batch(job, state.first, self.micro, bool(job.aux_spec))
+        route_counters = []
+        for c in range(job.num_chunks):
+            with placement.on_stage(job.chunk_scopes[c]):
+                # The chunk's own copy of its input: what the backward keeps of it stays here.
+                h = tf.nest.map_structure(tf.identity, h)
+
+                def fn(ws: Sequence[tf.Tensor], x: Any, c: int = c) -> Any:
+                    return job.run_chunk(c, ws, x, ctx)
+                stash, extra = None, []
+                if self.routed is not None:
+                    route_counters.append(state.route_counters[c] + 1)
+                    stash, extra = self.routed.stash(c), self.routed.placeholders(c, route_counters[-1] - 1)
+                h = stage_op(fn, list(state.weights[c]) + extra, h, c > 0 or job.input_gradient, job.plan.remat[c],
+                             job.devices[c], stash)
+        aux_sums = state.aux_sums
+        with placement.on_stage(job.chunk_scopes[-1]):
+            last = state.last + 1
+            index = last - 1  # a tensor of this chunk (the loop's own input would be kept elsewhere)
+            outputs = tuple(a.write(index, leaf) for a, leaf in zip(state.outputs, tf.nest.flatten(h)))
+            if job.aux_spec:
+                stats = tf.nest.flatten({path: ctx.aux[path] for path in job.aux_spec})
+                aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
+        return LoopState(last=last, first=first, weights=state.weights, route_counters=tuple(route_counters),
+                         aux_sums=aux_sums, outputs=outputs)
+
+    def gradients(self, tape: tf.GradientTape, split: loop_parts.SplitArguments, weights_out: tuple,
+                  out_float: list[tf.Tensor], dy: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """The op's gradients (in `OpArguments.flat` order): TensorFlow's backward loop, its gradient ops on their
+        chunks' devices, with the batched W added after it where the weight gradients are routed."""
+        job = self.job
+        with tf.device(job.devices[-1]):
+            dy = [tf.identity(d) for d in dy]
+        ends, starts = [], []
+        for c in range(job.num_chunks):
+            with tf.device(job.devices[c]):
+                ends += list(weights_out[c])
+                starts += [tf.zeros_like(w) for w in weights_out[c]]
+        flat_weights = [w for ws in split.chunk_weights for w in ws]
+        wrt = flat_weights + (split.inputs if job.input_gradient else [])
+        sources = self.routed.sources if self.routed is not None else []
+        # Counters and the outputs (TensorArrays) live on the last chunk; so do their gradients.
+        with placement.colocate_gradients(job.devices[-1], placement.host_device()):
+            grads = tape.gradient(out_float + ends, wrt + sources, output_gradients=dy + starts,
+                                  unconnected_gradients=tf.UnconnectedGradients.NONE)
+        if self.routed is not None:  # W: one matmul per watched weight, on its chunk's device
+            grads[:len(flat_weights)] = self.routed.add_weight_gradients(grads[len(wrt):], grads[:len(flat_weights)])
+        grads = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[:len(wrt)], wrt)]
+        sums = grads[:len(flat_weights)]
+        dx = grads[len(flat_weights):] if job.input_gradient else [tf.zeros_like(a) for a in split.inputs]
+        return list(dx) + list(sums)
 
 
 def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
@@ -198,7 +224,7 @@ def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
         ctx = job.micro_batch_context(tf.constant(0), bool(job.aux_spec))
         for s in range(job.num_chunks):
             with stashes[s].watching(thetas[s]):
-                x = job.run_stage(s, thetas[s], x, ctx)
+                x = job.run_chunk(s, thetas[s], x, ctx)
         return x
 
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro)

@@ -1,4 +1,5 @@
-"""The parts the while-loop schedules share (fill-drain's loop, `windowed_loop`'s), used by calling them.
+"""The parts every schedule's loop shares (fill-drain's, the windowed loop's, the unrolled schedule's), used by
+calling them: the op's flat arguments, the loop counters and micro-batches, the host loop, the rescaled gradient.
 
 Where things live, and why: `fill_drain.py`'s module doc. In short, the While op and its condition (the loop's
 own iteration count) sit on this process's CPU, which runs no stage, so no stage has to answer before the next
@@ -8,13 +9,68 @@ backward keeps of an index stays there.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.leaves import float_leaves
 from gpipe_tf.gpipe.schedule_base import PipelineJob
 from gpipe_tf.layers.base_layer import FPropContext
+
+
+class SplitArguments(NamedTuple):
+    """A schedule op's flat arguments by role."""
+
+    inputs: list[tf.Tensor]  # the pipeline input's float leaves
+    chunk_weights: list[list[tf.Tensor]]  # each chunk's weights
+    head_weights: list[tf.Tensor]  # the loss head's weights (schedules that run the loss inside the loop)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpArguments:
+    """The flat arguments of a schedule's `tf.custom_gradient` op, the same for every loop: the inputs' float
+    leaves, then each chunk's weights, then the loss head's weights. The op's gradient function returns their
+    gradients in this order."""
+
+    inputs: Any
+    chunk_weights: tuple[tuple[tf.Tensor, ...], ...]
+    head_weights: tuple[tf.Tensor, ...] = ()
+
+    @classmethod
+    def of(cls, job: PipelineJob, inputs: Any, head_weights: Sequence[tf.Tensor] = ()) -> OpArguments:
+        """The arguments of `job` on `inputs`, with the loss head's weights if the loop runs the loss."""
+        return cls(inputs, tuple(tuple(ws) for ws in job.chunk_weights), tuple(head_weights))
+
+    @property
+    def flat(self) -> list[tf.Tensor]:
+        """Every argument, in the op's order."""
+        return float_leaves(self.inputs) + [w for ws in self.chunk_weights for w in ws] + list(self.head_weights)
+
+    def split(self, args: Sequence[tf.Tensor]) -> SplitArguments:
+        """The op's `args` (in `flat`'s order) by role."""
+        args = list(args)
+        start = len(float_leaves(self.inputs))
+        stages = []
+        for ws in self.chunk_weights:
+            stages.append(args[start:start + len(ws)])
+            start += len(ws)
+        return SplitArguments(args[:len(float_leaves(self.inputs))], stages, args[start:])
+
+    def stopped(self, args: Sequence[tf.Tensor], default_device: str) -> SplitArguments:
+        """`split(args)` with each argument behind `tf.stop_gradient` on its own device (else `default_device`).
+
+        Why: the op computes its gradients itself (or by a tape of its own), and with the caller's tape also
+        watching the arguments TensorFlow wraps the loop in an extra function, which loses the loop's placement
+        and order.
+        """
+        stopped = []
+        for a in args:
+            with tf.device(a.device or default_device):
+                stopped.append(tf.stop_gradient(a))
+        return self.split(stopped)
 
 
 def counters(devices: Sequence[str]) -> list[tf.Tensor]:
@@ -26,22 +82,49 @@ def counters(devices: Sequence[str]) -> list[tf.Tensor]:
     return made
 
 
+def ring(length: int) -> tuple[tf.Tensor, ...]:
+    """A ring of `length` int32 tokens, made on the current device: a loop variable that orders cells."""
+    return tuple(tf.constant(0) for _ in range(length))
+
+
+def advance(tokens: tuple[tf.Tensor, ...], after: Sequence[Any]) -> tuple[tf.Tensor, ...]:
+    """The ring `tokens` turned by one: its oldest token dropped, a new one made once `after` exists. A cell that
+    waits for the ring's first token then waits for the work `len(tokens)` turns back."""
+    with tf.control_dependencies(list(after)):
+        done = tf.identity(tokens[-1])
+    return tuple(tokens[1:]) + (done,)
+
+
 def next_micro_batch(job: PipelineJob, counter: tf.Tensor, micro: Any,
                      collect_aux: bool) -> tuple[tf.Tensor, tf.Tensor, Any, FPropContext]:
     """On the first stage: (its counter advanced, the micro-batch's index, micro-batch `counter` of the split inputs
     `micro`, that micro-batch's context). The seed comes from the first stage, which leads the forward pass."""
-    with placement.on_stage(job.stage_scopes[0]):
+    with placement.on_stage(job.chunk_scopes[0]):
         counter_next = counter + 1
         index = counter_next - 1
         inputs = tf.nest.map_structure(lambda t: t[index], micro)
         return counter_next, index, inputs, job.micro_batch_context(index, collect_aux)
 
 
-def host_loop(body: Callable[..., tuple], loop_vars: tuple, num_micro_batches: int,
-              parallel_iterations: int) -> Any:
-    """`tf.while_loop(body, loop_vars)` for `num_micro_batches` iterations, the While op and its condition (its
-    iteration count, `maximum_iterations`) on this process's CPU (`placement.host_device`)."""
+def host_loop(body: Callable[[Any], Any], state: Any, num_micro_batches: int, parallel_iterations: int) -> Any:
+    """`body` applied `num_micro_batches` times to `state` (any structure `tf.nest` handles, e.g. a NamedTuple) in
+    one `tf.while_loop`, the While op and its condition (its iteration count, `maximum_iterations`) on this
+    process's CPU (`placement.host_device`): the final state."""
     condition = placement.host_device()
     with tf.compat.v1.get_default_graph().device(placement.loop_device(condition, condition)):
-        return tf.while_loop(lambda *_: True, body, loop_vars, maximum_iterations=num_micro_batches,
-                             parallel_iterations=parallel_iterations)
+        (final,) = tf.while_loop(lambda _: True, lambda s: (body(s),), (state,), maximum_iterations=num_micro_batches,
+                                 parallel_iterations=parallel_iterations)
+    return final
+
+
+def sum_dtype(dtype: tf.DType) -> tf.DType:
+    """The dtype a gradient sum of `dtype` values is kept in: float32 for half precision, else `dtype` itself."""
+    return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
+
+
+def rescale(upstream: tf.Tensor | None, seed: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """upstream / seed in `dtype`: the factor from gradients seeded with `seed` (a loop that ran its backward
+    inside its forward) to the caller's gradients; zero where the caller's tape sent no gradient."""
+    if upstream is None:
+        return tf.zeros([], dtype)
+    return tf.cast(upstream, dtype) / tf.cast(seed, dtype)

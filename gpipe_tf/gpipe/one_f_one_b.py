@@ -8,9 +8,9 @@ micro-batch's backward can start while later micro-batches still run forward, an
 micro-batch i only after its backward of micro-batch i - (K - k) is done: it holds at most K - k micro-batches'
 stashes, whatever M. The bubble is fill-drain's, (K-1)/(M+K-1); the math is the same synchronous mini-batch step.
 
-The order is data (`orders.one_f_one_b`: in-flight windows K - k); the loop that runs it is `windowed_loop.run`.
-Outside training (evaluation, or a caller that runs the pipeline without a loss) the schedule runs fill-drain's
-forward loop (`fill_drain.run_loop`), which needs no backward order.
+The order is data (`orders.one_f_one_b`: in-flight windows K - k); the loop that runs it is
+`windowed_loop.run_training`. Outside training (evaluation, or a caller that runs the pipeline without a loss) the
+schedule runs fill-drain's forward loop (`fill_drain.run_loop`), which needs no backward order.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class GPipe(BaseLayer):
         schedule: Schedule = schedule_params(p.schedule, self.path).instantiate(self.path)
         # D data-parallel replicas (train.num_replicas; the trainer builds the task inside placement.replicas(D)):
         # replica r's stage k on device r*K+k, each with its own gradient sums.
-        self.plan: StagePlan = make_plan(p, chunk_devices=schedule.step_order(max(1, p.num_stages)).stage_devices,
+        self.plan: StagePlan = make_plan(p, chunk_devices=schedule.step_order(max(1, p.num_stages)).devices_by_chunk,
                                          num_replicas=placement.num_replicas(), path=self.path)
         schedule.validate(self.plan, p.num_micro_batches, self.path)
         self.replica_devices = [list(devices) for devices in self.plan.devices]
@@ -195,14 +195,14 @@ class GPipe(BaseLayer):
             with tf.device(devices[stage]):
                 stage_theta.append({n: tf.nest.map_structure(tf.identity, theta[n]) for n in names})
 
-        def run_stage(stage: int, weights: Sequence[tf.Tensor], x: Any, micro_ctx: FPropContext) -> Any:
-            return self._run_stage(stage, tf.nest.pack_sequence_as(stage_theta[stage], list(weights)), x, micro_ctx)
+        def run_chunk(chunk: int, weights: Sequence[tf.Tensor], x: Any, micro_ctx: FPropContext) -> Any:
+            return self._run_stage(chunk, tf.nest.pack_sequence_as(stage_theta[chunk], list(weights)), x, micro_ctx)
 
         wanted = p.input_gradients
         job = PipelineJob(
             plan=self.plan, num_micro_batches=p.num_micro_batches, replica=replica, devices=tuple(devices),
-            stage_scopes=tuple(self.replica_scopes[replica]),
-            stage_weights=tuple(tuple(tf.nest.flatten(t)) for t in stage_theta), run_stage=run_stage,
+            chunk_scopes=tuple(self.replica_scopes[replica]),
+            chunk_weights=tuple(tuple(tf.nest.flatten(t)) for t in stage_theta), run_chunk=run_chunk,
             micro_batch_context=lambda index, collect_aux: self.micro_batch_context(ctx, index, collect_aux),
             aux_spec=self.aux_stats_spec() if ctx.training and ctx.aux is not None else {},
             input_gradient=(depends_on_variables(float_leaves(inputs)) if wanted == "auto" else bool(wanted)),

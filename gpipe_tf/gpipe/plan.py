@@ -109,7 +109,7 @@ def make_plan(p: InstantiableParams, *, chunk_devices: Sequence[int] | None = No
     Args:
       p: the GPipe Params (layers, num_stages, balance, balance_by, micro_batch_shape, input_dtype, remat,
         device_kind, devices).
-      chunk_devices: the device of each chunk, from the schedule's order (`Schedule.step_order(K).stage_devices`):
+      chunk_devices: the device of each chunk, from the schedule's order (`Schedule.step_order(K).devices_by_chunk`):
         v x K entries with each device 0 .. K-1 named v times; None: one chunk per device, chunk c on device c.
       input_spec: one micro-batch of the first layer's input (any nested TensorSpecs), for balance_by 'flops' or
         'time'; None: `micro_batch_spec(p)`.
@@ -130,7 +130,7 @@ def make_plan(p: InstantiableParams, *, chunk_devices: Sequence[int] | None = No
     if not layers:
         raise ParamsError(f"{path}.layers is empty; give the layer Params to pipeline")
     if num_devices < 1 or k > num_layers:
-        per_device = f" x schedule.virtual_stages={v} = {k} pipeline stages" if v > 1 else ""
+        per_device = f" x schedule.virtual_stages={v} = {k} chunks" if v > 1 else ""
         raise ParamsError(f"{path}.num_stages={num_devices!r}{per_device} must be between 1 and the number of layers "
                           f"({num_layers}); use num_stages <= {num_layers // v}")
     if p.balance_by not in partition.BALANCE_BY:
@@ -166,7 +166,7 @@ def _check_chunk_devices(chunk_devices: Sequence[int] | None, num_devices: Any, 
     if v < 1 or sorted(given) != sorted(list(range(k)) * v):
         raise ParamsError(f"{path}: chunk_devices={list(given)!r} must name each of the num_stages={num_devices} "
                           "devices (0 .. num_stages-1) equally often, once per chunk; pass the schedule order's "
-                          "stage_devices for this num_stages")
+                          "devices_by_chunk for this num_stages")
     return given
 
 

@@ -2,8 +2,9 @@
 
 A schedule decides in which order, and as which ops, the K stages run on the M micro-batches of one mini-batch,
 forward and backward. It is configured by Params (``GPipe.params().schedule = FillDrain.params()``), owns its
-knobs and its state, and is given plain data only (`PipelineJob`): the stage plan, one callable per stage, the
-stages' weights as tensors, the stage devices and scopes. It never reaches into the GPipe layer.
+knobs and its state, and is given plain data only (`PipelineJob`): the stage plan, one callable per chunk (a stage,
+unless the schedule runs v chunks per device; `orders.py` defines the words), the chunks' weights as tensors, their
+devices and scopes. It never reaches into the GPipe layer.
 
 A schedule must give the loss and gradients of the layers run in sequence (the tests check every schedule
 against the un-pipelined model) and keep each stage's work, stashes and weight-gradient sums on the stage's
@@ -23,8 +24,8 @@ from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
 
-# run_stage(stage, weights, inputs, ctx) -> outputs: stage `stage`'s layers on one micro-batch.
-RunStage = Callable[[int, Sequence[tf.Tensor], Any, FPropContext], Any]
+# run_chunk(chunk, weights, inputs, ctx) -> outputs: chunk `chunk`'s layers on one micro-batch.
+RunChunk = Callable[[int, Sequence[tf.Tensor], Any, FPropContext], Any]
 # micro_batch_context(index, collect_aux) -> the FPropContext of micro-batch `index` (its own seed and aux dict).
 MicroBatchContext = Callable[[Any, bool], FPropContext]
 # loss_fn(head_weights, outputs, targets, ctx) -> {name: scalar sum over the examples of `outputs`}; "loss" is
@@ -66,10 +67,10 @@ class PipelineJob:
       plan: the stage plan (balance, per-stage remat decision, devices of every replica).
       num_micro_batches: M; the batch dimension of every input leaf is divisible by it.
       replica: which data-parallel replica runs this job (its devices are `devices`).
-      devices: this replica's stage devices, one per stage.
-      stage_scopes: this replica's stage scopes (`placement.on_stage`), one per stage.
-      stage_weights: each stage's weights as a flat list of tensors, read on the stage's device.
-      run_stage: runs one stage's layers given its flat weights; see `RunStage`.
+      devices: this replica's devices, one per chunk.
+      chunk_scopes: this replica's scopes (`placement.on_stage`), one per chunk.
+      chunk_weights: each chunk's weights as a flat list of tensors, read on the chunk's device.
+      run_chunk: runs one chunk's layers given its flat weights; see `RunChunk`.
       micro_batch_context: the context of micro-batch i; see `MicroBatchContext`.
       aux_spec: the auxiliary statistics (e.g. batch-norm moments) to sum over micro-batches, as
         {path: TensorSpec}; empty when none are collected.
@@ -84,9 +85,9 @@ class PipelineJob:
     num_micro_batches: int
     replica: int
     devices: tuple[str, ...]
-    stage_scopes: tuple[Any, ...]
-    stage_weights: tuple[tuple[tf.Tensor, ...], ...]
-    run_stage: RunStage
+    chunk_scopes: tuple[Any, ...]
+    chunk_weights: tuple[tuple[tf.Tensor, ...], ...]
+    run_chunk: RunChunk
     micro_batch_context: MicroBatchContext
     aux_spec: dict[str, Any]
     input_gradient: bool
@@ -95,27 +96,8 @@ class PipelineJob:
 
     @property
     def num_chunks(self) -> int:
-        """The stages the loop runs: K, or v x K chunks for the Interleaved schedule (`StagePlan.num_chunks`)."""
+        """The chunks the loop runs: K, or v x K for the schedules with v chunks per device (`StagePlan.num_chunks`)."""
         return len(self.devices)
-
-
-def stopped_arguments(args: Sequence[tf.Tensor], default_device: str, num_inputs: int,
-                      stage_sizes: Sequence[int]) -> tuple[list[tf.Tensor], list[list[tf.Tensor]], list[tf.Tensor]]:
-    """The arguments of a schedule's `tf.custom_gradient` op behind `tf.stop_gradient`, each on its own device
-    (else `default_device`): (the inputs' float leaves, each stage's weights, the rest).
-
-    Why: the op computes its gradients itself (or by a tape of its own), and with the caller's tape also watching
-    the arguments TensorFlow wraps the loop in an extra function, which loses the loop's placement and order.
-    """
-    stopped = []
-    for a in args:
-        with tf.device(a.device or default_device):
-            stopped.append(tf.stop_gradient(a))
-    thetas, start = [], num_inputs
-    for size in stage_sizes:
-        thetas.append(stopped[start:start + size])
-        start += size
-    return stopped[:num_inputs], thetas, stopped[start:]
 
 
 # Short names a `schedule` field may hold instead of Params: {name: class}, filled by each subclass that gives one
@@ -168,7 +150,7 @@ class Schedule:
     def step_order(self, num_devices: int) -> ScheduleOrder:
         """This schedule's order of one step's cells on `num_devices` devices, as data (`orders.ScheduleOrder`):
         stated once here, and read by its loop, `timeline.predict`, the measured-timeline reader and the
-        benchmark's bound. Its `stage_devices` are the devices of the chunks the stage plan makes."""
+        benchmark's bound. Its `devices_by_chunk` are the devices of the chunks the stage plan makes."""
         raise NotImplementedError
 
     def validate(self, plan: StagePlan, num_micro_batches: int, path: str = "") -> None:
@@ -179,7 +161,7 @@ class Schedule:
     def allocate(self, plan: StagePlan, stage_variables: Sequence[Sequence[tf.Variable]]) -> None:
         """Creates the schedule's state once, when the GPipe layer is built (default: none).
 
-        stage_variables: each stage's trainable variables, flat, in the order of `PipelineJob.stage_weights`.
+        stage_variables: each chunk's trainable variables, flat, in the order of `PipelineJob.chunk_weights`.
         """
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:

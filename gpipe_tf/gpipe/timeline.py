@@ -1,8 +1,9 @@
 """Pipeline schedules as timelines: predicted from a schedule's order data and stage costs, or measured.
 
 `predict` simulates one step of a schedule's order (`orders.ScheduleOrder`, the same data the schedule's loop is
-built from): every device runs one cell (a forward 'F' or backward 'B' of one micro-batch on one pipeline
-stage, and for zero-bubble orders its weight gradients 'W' apart from B) at a time, each cell as soon as its
+built from; its module doc says what stages, chunks and laps are): every device runs one cell (a forward 'F' or
+backward 'B' of one micro-batch on one chunk, and for zero-bubble orders its weight gradients 'W' apart from B) at
+a time, each cell as soon as its
 dependencies in the order have ended and its device is free, the device taking the cell that became ready
 first (a backward before a forward that became ready at the same instant), as a TensorFlow worker runs ops as
 their inputs arrive. For fill-drain and 1F1B, equal stage costs give exactly GPipe's bubble (K-1)/(M+K-1),
@@ -21,7 +22,7 @@ import collections.abc
 import dataclasses
 import math
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,12 +40,11 @@ _SEQUENCES = (collections.abc.Sequence, np.ndarray)
 
 @dataclasses.dataclass
 class Cell:
-    """One unit of work on row `stage`: micro-batch `micro_batch` forward ('F') or backward ('B'), or a transfer
-    ('T', measured timelines only; its micro-batch may be None).
+    """One unit of work on row `stage` (a device): micro-batch `micro_batch` forward ('F'), backward ('B') or weight
+    gradients ('W'), or a transfer ('T', measured timelines only; its micro-batch may be None).
 
-    With several chunks per device (interleaved, V orders) `stage` is the device (the row drawn) and `chunk` which
-    of its chunks runs: the pipeline stage is `Timeline.pipeline_stage` (chunk * K + stage, round robin). Otherwise
-    chunk is 0.
+    With several chunks per device (interleaved, V orders) `lap` says which of the device's chunks runs: the chunk
+    is `Timeline.chunk(cell)` (`ScheduleOrder.chunk_at`). Otherwise lap is 0 and the chunk is the stage.
 
     `ops` (measured cells): the intervals the cell's ops ran in, inside [start, end]. A worker runs ops of
     different micro-batches as their inputs arrive (the next micro-batch's forward beside the current backward),
@@ -56,7 +56,7 @@ class Cell:
     phase: str
     start: float
     end: float
-    chunk: int = 0
+    lap: int = 0
     ops: tuple[tuple[float, float], ...] = ()
 
     @property
@@ -80,7 +80,7 @@ class Timeline:
     """A predicted or measured schedule: every cell with its start and end, the makespan and the bubble fraction.
 
     `order` is the schedule's order it ran or simulates. Rows (`num_stages`, K) are its devices, whose
-    v = `virtual_stages` chunks make K * v pipeline stages (one chunk, and rows are stages, unless interleaved).
+    v = `virtual_stages` laps make K * v chunks (one chunk per row unless interleaved or a V).
     `bubble_fraction` is the share of K * makespan in which a row computes neither a
     forward nor a backward; `idle_fraction` the share in which it does nothing at all, transfers counting as
     busy (the two differ only for measured timelines with 'T' cells). Measured timelines (`Timeline.measured`)
@@ -92,13 +92,13 @@ class Timeline:
     cells: list[Cell]
     makespan: float
     bubble_fraction: float
-    remat: tuple[bool, ...] | None = None  # per pipeline stage: its backward recomputes its forward
+    remat: tuple[bool, ...] | None = None  # per chunk: its backward recomputes its forward
     is_measured: bool = False
     idle_fraction: float | None = None
 
     @property
     def num_stages(self) -> int:
-        """K, the rows: devices (stages unless interleaved)."""
+        """K, the rows: devices, one stage each."""
         return self.order.num_devices
 
     @property
@@ -157,13 +157,13 @@ class Timeline:
                    idle_fraction=1.0 - busy(PHASES) / (k * makespan))
 
     @property
-    def num_pipeline_stages(self) -> int:
-        """K * v: the stages a micro-batch passes through (K unless interleaved)."""
+    def num_chunks(self) -> int:
+        """K * v: the chunks a micro-batch passes through (K unless interleaved or a V)."""
         return self.num_stages * self.virtual_stages
 
-    def pipeline_stage(self, cell: Cell) -> int:
-        """The pipeline stage `cell` runs: chunk `cell.chunk` of device `cell.stage` (`ScheduleOrder.stage_at`)."""
-        return self.order.stage_at(cell.stage, cell.chunk)
+    def chunk(self, cell: Cell) -> int:
+        """The chunk `cell` runs: lap `cell.lap` of device `cell.stage` (`ScheduleOrder.chunk_at`)."""
+        return self.order.chunk_at(cell.stage, cell.lap)
 
     def schedule_label(self) -> str:
         """The schedule's name, with v where a device runs several chunks ("interleaved v=2")."""
@@ -174,12 +174,12 @@ class Timeline:
         per device."""
         return self.order.bubble_bound(self.num_micro_batches)
 
-    def cell(self, stage: int, micro_batch: int, phase: str, chunk: int = 0) -> Cell:
-        """The cell of row `stage` running `micro_batch` in `phase` ('F' or 'B'), of `chunk` when interleaved."""
+    def cell(self, stage: int, micro_batch: int, phase: str, lap: int = 0) -> Cell:
+        """The cell of row `stage` running `micro_batch` in `phase` ('F' or 'B'), on `lap` when interleaved."""
         for c in self.cells:
-            if c.stage == stage and c.micro_batch == micro_batch and c.phase == phase and c.chunk == chunk:
+            if c.stage == stage and c.micro_batch == micro_batch and c.phase == phase and c.lap == lap:
                 return c
-        raise KeyError(f"no cell stage={stage} micro_batch={micro_batch} phase={phase!r} chunk={chunk} in this "
+        raise KeyError(f"no cell stage={stage} micro_batch={micro_batch} phase={phase!r} lap={lap} in this "
                        "timeline")
 
     def stage_cells(self, stage: int) -> list[Cell]:
@@ -230,8 +230,8 @@ def _check_measured_cell(j: int, cell: object, k: int, m: int, v: int) -> Cell:
             cell.micro_batch is not None and (not is_int(cell.micro_batch) or not 0 <= cell.micro_batch < m)):
         raise bad("micro_batch", f"an int in [0, {m}) (num_micro_batches={m})"
                   + (", or None for a transfer" if cell.phase == TRANSFER else ""))
-    if not is_int(cell.chunk) or not 0 <= cell.chunk < v:
-        raise bad("chunk", f"an int in [0, {v}) (virtual_stages={v})")
+    if not is_int(cell.lap) or not 0 <= cell.lap < v:
+        raise bad("lap", f"an int in [0, {v}) (virtual_stages={v})")
     for field in ("start", "end"):
         value = getattr(cell, field)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -244,7 +244,7 @@ def _check_measured_cell(j: int, cell: object, k: int, m: int, v: int) -> Cell:
             and cell.start <= op[0] <= op[1] <= cell.end for op in ops):
         raise bad("ops", f"a list of (start, end) op intervals inside the cell's [{cell.start!r}, {cell.end!r}]")
     return dataclasses.replace(cell, stage=int(cell.stage), start=float(cell.start), end=float(cell.end),
-                               chunk=int(cell.chunk), ops=tuple((float(a), float(b)) for a, b in ops),
+                               lap=int(cell.lap), ops=tuple((float(a), float(b)) for a, b in ops),
                                micro_batch=None if cell.micro_batch is None else int(cell.micro_batch))
 
 
@@ -254,11 +254,11 @@ def _check_costs(stage_costs: Sequence[float] | None, count: int, count_text: st
         return [1.0] * count
     if isinstance(stage_costs, (str, bytes)) or not isinstance(stage_costs, _SEQUENCES):
         raise ParamsError(f"{name}={stage_costs!r} is invalid: give a list of {count} {what} costs, "
-                          "one per pipeline stage (or None for equal stages)")
+                          "one per chunk (or None for equal chunks)")
     if len(stage_costs) != count:
         raise ParamsError(f"{name}={list(stage_costs)!r} has {len(stage_costs)} entries for {count_text}: "
-                          f"give exactly one {what} cost per pipeline stage")
-    return [check_positive(f"{name}[{k}]", c, f"a stage's {what} cost, e.g. its measured seconds")
+                          f"give exactly one {what} cost per chunk")
+    return [check_positive(f"{name}[{k}]", c, f"a chunk's {what} cost, e.g. its measured seconds")
             for k, c in enumerate(stage_costs)]
 
 
@@ -266,11 +266,11 @@ def _check_remat(remat: Sequence[bool] | bool, count: int, count_text: str) -> l
     if isinstance(remat, (bool, np.bool_)):
         return [bool(remat)] * count
     if isinstance(remat, (str, bytes)) or not isinstance(remat, _SEQUENCES):
-        raise ParamsError(f"remat={remat!r} is invalid: give True/False for all stages or a list of "
-                          f"{count} bools, one per pipeline stage")
+        raise ParamsError(f"remat={remat!r} is invalid: give True/False for all chunks or a list of "
+                          f"{count} bools, one per chunk")
     if len(remat) != count:
         raise ParamsError(f"remat={list(remat)!r} has {len(remat)} entries for {count_text}: "
-                          "give exactly one bool per pipeline stage")
+                          "give exactly one bool per chunk")
     for k, r in enumerate(remat):
         if not isinstance(r, (bool, np.bool_)):
             raise ParamsError(f"remat[{k}]={r!r} is invalid: it must be True or False")
@@ -278,17 +278,17 @@ def _check_remat(remat: Sequence[bool] | bool, count: int, count_text: str) -> l
 
 def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]], defer_weights: bool) -> list[Cell]:
     """Every cell of `order` at its start: when its dependencies have ended and its device is free, the device
-    taking the cell that became ready first. Ties: a backward before a forward, the lower micro-batch and stage.
+    taking the cell that became ready first. Ties: a backward before a forward, the lower micro-batch and chunk.
 
     Weight gradients per micro-batch (`ScheduleOrder.weight_window`) run as `predict` says: with
     `defer_weights`, W is off the critical path and a device takes F and B before W when both can start at once;
-    without, W(s, i) runs right after B(s, i) and what waits for B(s, i) waits for W(s, i) too.
+    without, W(c, i) runs right after B(c, i) and what waits for B(c, i) waits for W(c, i) too.
 
     Committing the cell that can start earliest is final: any cell not yet ready waits for a cell that starts
     no earlier, so nothing committed later could have started before it on the same device.
     """
-    k, stages = order.num_devices, order.num_chunks
-    keys = [(phase, s, i) for s in range(stages) for i in range(m) for phase in order.phases]
+    k, chunks = order.num_devices, order.num_chunks
+    keys = [(phase, s, i) for s in range(chunks) for i in range(m) for phase in order.phases]
     deps = {key: order.dependencies(*key, m) for key in keys}
     with_backward = order.weight_window is not None and not defer_weights
     if with_backward:  # B and W as one backward: its end is W's
@@ -313,7 +313,7 @@ def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]], defer
         d = order.device(s)
         start = max(free[d], ready.pop(key))
         ends[key] = free[d] = start + costs[phase][s]
-        cells.append(Cell(d, i, phase, start, ends[key], order.chunk(s)))
+        cells.append(Cell(d, i, phase, start, ends[key], order.lap(s)))
         for waiting in dependents[key]:
             missing[waiting] -= 1
             if not missing[waiting]:
@@ -331,29 +331,29 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
             defer_weights: bool = False) -> Timeline:
     """Simulates one step of a schedule's order and returns its timeline (see the module doc).
 
-    F(s, i) costs stage_costs[s] (default 1.0 each); B(s, i) costs backward_ratio * stage_costs[s], plus
-    stage_costs[s] again where stage s is rematerialized (its forward is recomputed inside the backward), or
-    backward_costs[s] when given (e.g. measured). Where the order splits each backward into B and W
-    (`ScheduleOrder.weight_window`), W(s, i) costs weight_fraction of the backward without its recomputation and
-    B(s, i) the rest.
+    F(c, i) costs stage_costs[c] (default 1.0 each); B(c, i) costs backward_ratio * stage_costs[c], plus
+    stage_costs[c] again where chunk c is rematerialized (its forward is recomputed inside the backward), or
+    backward_costs[c] when given (e.g. measured). Where the order splits each backward into B and W
+    (`ScheduleOrder.weight_window`), W(c, i) costs weight_fraction of the backward without its recomputation and
+    B(c, i) the rest.
 
-    How W per micro-batch runs (`defer_weights`): the windowed loop computes a stage's B and W of one
+    How W per micro-batch runs (`defer_weights`): the windowed loop computes a chunk's B and W of one
     micro-batch in one gradient, whose ops TensorFlow's worker runs as their inputs arrive: W's weight-gradient
-    matmuls become ready layer by layer beside B's, and the input gradient the previous stage waits for is the
-    last op. So by default W(s, i) runs right after B(s, i), and what waits for B(s, i) waits for W(s, i) too: a
+    matmuls become ready layer by layer beside B's, and the input gradient the previous chunk waits for is the
+    last op. So by default W(c, i) runs right after B(c, i), and what waits for B(c, i) waits for W(c, i) too: a
     zero-bubble order's bubble is then its windows' (1F1B's for ZB-H1). `defer_weights=True` draws what a
     scheduler that holds W back would run (Qi et al.'s schedules: F and B before W, W in the bubbles), the bound
-    the order data allows. Batched W (`ScheduleOrder.batched_weights`) runs after each stage's last B either way.
+    the order data allows. Batched W (`ScheduleOrder.batched_weights`) runs after each chunk's last B either way.
 
     Args:
       order: the schedule's order (`Schedule.step_order(K)`, or `orders.fill_drain(K)` etc.); an int K stands
         for GPipe's fill-drain order on K stages.
       num_micro_batches: M (a multiple of `order.micro_batch_multiple`).
-      stage_costs: forward cost of each pipeline stage (any time unit; K * v of them, in pipeline order), or None
-        for equal stages.
-      backward_ratio: backward cost / forward cost of a stage.
-      remat: whether each pipeline stage recomputes its forward in the backward; one bool applies to all.
-      backward_costs: each pipeline stage's backward cost, instead of backward_ratio and remat.
+      stage_costs: forward cost of each chunk (any time unit; K * v of them, in pipeline order; with v = 1 each
+        stage's), or None for equal chunks.
+      backward_ratio: backward cost / forward cost of a chunk.
+      remat: whether each chunk recomputes its forward in the backward; one bool applies to all.
+      backward_costs: each chunk's backward cost, instead of backward_ratio and remat.
       weight_fraction: the share of a backward that its weight gradients take, in (0, 1); read only by orders
         with separate W cells.
       defer_weights: W per micro-batch runs where the order allows it, off the critical path, instead of right
@@ -366,8 +366,26 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
         order = fill_drain(_check_count("num_stages", order, "the number of pipeline stages"))
     m = _check_count("num_micro_batches", num_micro_batches, "the number of micro-batches per batch")
     order.check_micro_batches(m)
+    phase_costs, recompute, work = _phase_costs(order, stage_costs, backward_ratio, remat, backward_costs,
+                                                weight_fraction)
+    if not isinstance(defer_weights, (bool, np.bool_)):
+        raise ParamsError(f"defer_weights={defer_weights!r} is invalid: it must be True (W where the order allows "
+                          "it) or False (W right after its B, as TensorFlow runs it)")
+    cells = _simulate(order, m, phase_costs, bool(defer_weights))
+    cells.sort(key=lambda c: (c.start, c.stage))
+    makespan = max(c.end for c in cells)
+    bubble = 1.0 - m * work / (order.num_devices * makespan)
+    return Timeline(order=order, num_micro_batches=m, cells=cells, makespan=makespan, bubble_fraction=bubble,
+                    remat=tuple(recompute), idle_fraction=bubble)
+
+
+def _phase_costs(order: ScheduleOrder, stage_costs: Sequence[float] | None, backward_ratio: float,
+                 remat: Sequence[bool] | bool, backward_costs: Sequence[float] | None,
+                 weight_fraction: float) -> tuple[dict[str, list[float]], list[bool], float]:
+    """({phase: each chunk's cost of one cell}, each chunk's remat, the work of one micro-batch through every
+    chunk), checked; see `predict`'s Args."""
     k, v, count = order.num_devices, order.virtual_stages, order.num_chunks
-    count_text = f"num_stages={k}" + (f" x virtual_stages={v} = {count} pipeline stages" if v > 1 else "")
+    count_text = f"num_stages={k}" + (f" x virtual_stages={v} = {count} chunks" if v > 1 else "")
     costs = _check_costs(stage_costs, count, count_text)
     ratio = check_positive("backward_ratio", backward_ratio, "backward cost / forward cost, typically 2")
     recompute = _check_remat(remat, count, count_text)
@@ -378,17 +396,9 @@ def predict(order: ScheduleOrder | int, num_micro_batches: int, stage_costs: Seq
     if share >= 1:
         raise ParamsError(f"weight_fraction={weight_fraction!r} is invalid: it must be in (0, 1) (the weight "
                           "gradients' share of a backward, e.g. 0.5)")
-    phase_costs = {FORWARD: costs, BACKWARD: backward_cost}
-    if WEIGHT in order.phases:
-        weight = [share * (b - (c if r and backward_costs is None else 0.0))
-                  for b, c, r in zip(backward_cost, costs, recompute)]
-        phase_costs = {FORWARD: costs, BACKWARD: [b - w for b, w in zip(backward_cost, weight)], WEIGHT: weight}
-    if not isinstance(defer_weights, (bool, np.bool_)):
-        raise ParamsError(f"defer_weights={defer_weights!r} is invalid: it must be True (W where the order allows "
-                          "it) or False (W right after its B, as TensorFlow runs it)")
-    cells = _simulate(order, m, phase_costs, bool(defer_weights))
-    cells.sort(key=lambda c: (c.start, c.stage))
-    makespan = max(c.end for c in cells)
-    bubble = 1.0 - m * (sum(costs) + sum(backward_cost)) / (k * makespan)
-    return Timeline(order=order, num_micro_batches=m, cells=cells, makespan=makespan, bubble_fraction=bubble,
-                    remat=tuple(recompute), idle_fraction=bubble)
+    work = sum(costs) + sum(backward_cost)
+    if WEIGHT not in order.phases:
+        return {FORWARD: costs, BACKWARD: backward_cost}, recompute, work
+    weight = [share * (b - (c if r and backward_costs is None else 0.0))
+              for b, c, r in zip(backward_cost, costs, recompute)]
+    return {FORWARD: costs, BACKWARD: [b - w for b, w in zip(backward_cost, weight)], WEIGHT: weight}, recompute, work

@@ -19,12 +19,13 @@ fill_drain schedule (`fill_drain.py`) keeps the graph constant in M instead.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import microbatch, orders, placement
-from gpipe_tf.gpipe.leaves import float_leaves, is_float, with_float_leaves
+from gpipe_tf.gpipe import loop_parts, microbatch, orders, placement
+from gpipe_tf.gpipe.leaves import is_float, with_float_leaves
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.remat import StageForward
@@ -59,75 +60,79 @@ class Unrolled(Schedule, short_name="unrolled"):
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """Runs the job as an unrolled, explicitly placed schedule; see the module doc."""
-        k, m = job.num_chunks, job.num_micro_batches
-        aux_spec = job.aux_spec
-        flat_inputs = float_leaves(inputs)
-        flat_theta = [list(ws) for ws in job.stage_weights]
-        sizes = [len(f) for f in flat_theta]
-        gradient_sums = self.gradient_sums[job.replica]
+        arguments = loop_parts.OpArguments.of(job, inputs)
         output: dict[str, Any] = {}
 
         @tf.custom_gradient
         def pipeline(*args: tf.Tensor) -> Any:
-            theta_args, start = [], len(flat_inputs)
-            for size in sizes:
-                theta_args.append(list(args[start:start + size]))
-                start += size
-            with tf.device(job.devices[0]):
-                micro = microbatch.split_list(with_float_leaves(inputs, list(args[:len(flat_inputs)])), m)
-            records: list[list[StageForward | None]] = [[None] * m for _ in range(k)]
-            outs, aux_parts = [], []
-            for i in range(m):
-                micro_ctx = job.micro_batch_context(i, bool(aux_spec))
-                h = micro[i]
-                for s in range(k):
-                    with placement.on_stage(job.stage_scopes[s]):
-                        def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s, ctx: Any = micro_ctx) -> Any:
-                            return job.run_stage(s, ws, x, ctx)
-                        records[s][i] = StageForward(fn, theta_args[s], h, s > 0 or job.input_gradient,
-                                                     job.plan.remat[s])
-                        h = records[s][i].outputs
-                outs.append(h)
-                if aux_spec:
-                    aux_parts.append(micro_ctx.aux)
+            split = arguments.split(args)
+            records, outs = _forward(job, with_float_leaves(inputs, split.inputs), split.chunk_weights, output)
+            output["structure"] = outs[0]
             with tf.device(job.devices[-1]):
                 flat_outs = [tf.concat(parts, axis=0) for parts in zip(*[tf.nest.flatten(o) for o in outs])]
-                if aux_spec:
-                    output["aux"] = {path: tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)),
-                                                                 *[part[path] for part in aux_parts])
-                                     for path in aux_spec}
-            output["structure"] = outs[0]
+            sums = self.gradient_sums[job.replica]
+            return flat_outs, lambda *upstream: _backward(job, records, sums, outs[0], split.inputs, upstream)
 
-            def grad_fn(*upstream: tf.Tensor) -> list[Any]:
-                out_is_float = [is_float(t) for t in tf.nest.flatten(outs[0])]
-                with tf.device(job.devices[-1]):
-                    float_upstream = [tf.split(g, m, axis=0) for g, f in zip(upstream, out_is_float) if f]
-                # updates[s]: the last in-place additions into stage s's gradient sums.
-                updates: list[list[Any] | None] = [None] * k
-                input_grads = []
-                for i in reversed(range(m)):
-                    dy = [parts[i] for parts in float_upstream]
-                    for s in reversed(range(k)):
-                        with placement.on_stage(job.stage_scopes[s]):
-                            # B(k, i) after B(k, i+1): one partial weight gradient per stage at a time.
-                            dx, weight_grads = records[s][i].gradient(dy, after=updates[s] or [])
-                            add = "assign" if updates[s] is None else "assign_add"  # the first needs no zeroing
-                            updates[s] = [getattr(acc, add)(g, read_value=False)
-                                          for acc, g in zip(gradient_sums[s], weight_grads)]
-                            dy = dx
-                    input_grads.append(dy)
-                with tf.device(job.devices[0]):
-                    if job.input_gradient:
-                        dx = [tf.concat(parts[::-1], axis=0) for parts in zip(*input_grads)]
-                    else:
-                        dx = [tf.zeros_like(t) for t in flat_inputs]
-                sums = []
-                for s in range(k):
-                    with tf.device(job.devices[s]), tf.control_dependencies(updates[s]):
-                        sums += [acc.read_value() for acc in gradient_sums[s]]
-                return dx + sums
-
-            return flat_outs, grad_fn
-
-        flat_out = pipeline(*flat_inputs, *[t for f in flat_theta for t in f])
+        flat_out = pipeline(*arguments.flat)
         return tf.nest.pack_sequence_as(output["structure"], list(flat_out)), output.get("aux")
+
+
+def _forward(job: PipelineJob, inputs: Any, weights: Sequence[Sequence[tf.Tensor]],
+             output: dict[str, Any]) -> tuple[list[list[StageForward]], list[Any]]:
+    """F(c, i) for every micro-batch i and chunk c, each under its chunk's device: (records[c][i], each
+    micro-batch's output); the summed aux statistics go to `output['aux']`."""
+    num_chunks, m = job.num_chunks, job.num_micro_batches
+    with tf.device(job.devices[0]):
+        micro = microbatch.split_list(inputs, m)
+    records: list[list[StageForward]] = [[] for _ in range(num_chunks)]
+    outs, aux_parts = [], []
+    for i in range(m):
+        ctx = job.micro_batch_context(i, bool(job.aux_spec))
+        h = micro[i]
+        for c in range(num_chunks):
+            with placement.on_stage(job.chunk_scopes[c]):
+                def fn(ws: Sequence[tf.Tensor], x: Any, c: int = c, ctx: Any = ctx) -> Any:
+                    return job.run_chunk(c, ws, x, ctx)
+                records[c].append(StageForward(fn, weights[c], h, c > 0 or job.input_gradient, job.plan.remat[c]))
+                h = records[c][i].outputs
+        outs.append(h)
+        if job.aux_spec:
+            aux_parts.append(ctx.aux)
+    if job.aux_spec:
+        with tf.device(job.devices[-1]):
+            output["aux"] = {path: tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)),
+                                                         *[part[path] for part in aux_parts])
+                             for path in job.aux_spec}
+    return records, outs
+
+
+def _backward(job: PipelineJob, records: list[list[StageForward]], gradient_sums: list[list[tf.Variable]],
+              structure: Any, xs: list[tf.Tensor], upstream: Sequence[tf.Tensor]) -> list[Any]:
+    """B(c, i) for micro-batches M-1 .. 0 and chunks K-1 .. 0, each adding its weight gradients into the chunk's
+    sums in place: the op's gradients (in `OpArguments.flat` order)."""
+    num_chunks, m = job.num_chunks, job.num_micro_batches
+    out_is_float = [is_float(t) for t in tf.nest.flatten(structure)]
+    with tf.device(job.devices[-1]):
+        float_upstream = [tf.split(g, m, axis=0) for g, f in zip(upstream, out_is_float) if f]
+    updates: list[list[Any] | None] = [None] * num_chunks  # updates[c]: the last in-place additions into chunk c's sums
+    input_grads = []
+    for i in reversed(range(m)):
+        dy = [parts[i] for parts in float_upstream]
+        for c in reversed(range(num_chunks)):
+            with placement.on_stage(job.chunk_scopes[c]):
+                # B(c, i) after B(c, i+1): one partial weight gradient per chunk at a time.
+                dx, weight_grads = records[c][i].gradient(dy, after=updates[c] or [])
+                add = "assign" if updates[c] is None else "assign_add"  # the first needs no zeroing
+                updates[c] = [getattr(acc, add)(g, read_value=False) for acc, g in zip(gradient_sums[c], weight_grads)]
+                dy = dx
+        input_grads.append(dy)
+    with tf.device(job.devices[0]):
+        if job.input_gradient:
+            dx = [tf.concat(parts[::-1], axis=0) for parts in zip(*input_grads)]
+        else:
+            dx = [tf.zeros_like(t) for t in xs]
+    sums = []
+    for c in range(num_chunks):
+        with tf.device(job.devices[c]), tf.control_dependencies(updates[c]):
+            sums += [acc.read_value() for acc in gradient_sums[c]]
+    return dx + sums

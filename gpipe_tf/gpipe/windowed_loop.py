@@ -23,7 +23,8 @@ How, as one while loop:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
@@ -31,7 +32,7 @@ from gpipe_tf.gpipe import batched_weights, fill_drain, loop_parts, microbatch, 
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import StageForward
-from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule, stopped_arguments
+from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
 from gpipe_tf.hyperparams import InstantiableParams
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.weight_gradients import WeightStash
@@ -71,185 +72,245 @@ class WindowedSchedule(Schedule):
         """Forward, loss and backward of every micro-batch in this loop when training, in the schedule's order."""
         if not job.training:
             return super().run_with_loss(job, inputs, loss)
-        return run(job, inputs, loss, self.step_order(job.plan.num_devices))
+        return run_training(job, inputs, loss, self.step_order(job.plan.num_devices))
 
 
-def run(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder) -> tuple[dict, dict[str, Any] | None]:
-    """Forward, loss and backward of every micro-batch of `job` in one loop ordered by `order` (its stages are
-    the job's chunks): ({name: sum over the batch}, summed aux statistics or None); see the module doc."""
-    if order.num_chunks != job.num_chunks or order.in_flight is None:
-        raise ValueError(f"the {order.name} order has {order.num_chunks} stages and in_flight={order.in_flight}: "
-                         f"this loop needs one in-flight window per chunk of the job ({job.num_chunks})")
-    if len({s for s, _, _ in order.forward_waits}) != len(order.forward_waits):
-        raise ValueError(f"the {order.name} order's forward_waits {order.forward_waits} give a stage two waits: "
-                         "this loop keeps one forward ring per stage")
-    k, m = job.num_chunks, job.num_micro_batches
-    devices, scopes = job.devices, job.stage_scopes
-    aux_spec = job.aux_spec
-    flat_aux_spec = tf.nest.flatten(aux_spec)
-    num_aux = len(flat_aux_spec)
-    flat_inputs = float_leaves(inputs)
-    flat_theta = [list(ws) for ws in job.stage_weights]
-    head = list(loss.head_weights)
-    input_gradient = job.input_gradient
-    windows = order.in_flight
-    weight_windows = order.weight_window  # None: the token of a backward also waits for its weight gradients
-    batched = order.batched_weights  # each stage's matmul weight gradients wait in its stash for the last backward
-    stash_layout = batched_weights.StashLayout(devices, job.stage_weights if batched else [[] for _ in range(k)])
-    waits = {s: (t, lag) for s, t, lag in order.forward_waits}  # one forward ring per waiting stage
-    waiting = sorted(waits)  # the stages with a forward ring, in loop-variable order
-    fills = {}  # {stage t: [index into `waiting`]}: the rings the forward of t fills
-    for j, s in enumerate(waiting):
-        fills.setdefault(waits[s][0], []).append(j)
-    value_spec = _loss_value_spec(loss, job, m)
-    names = sorted(value_spec)
-    if "loss" not in value_spec:
-        raise ValueError(f"the pipeline's loss function returned {names}: it must return a 'loss' entry")
-    result = {}  # filled inside the custom gradient: the summed aux statistics
+def run_training(job: PipelineJob, inputs: Any, loss: PipelineLoss,
+                 order: ScheduleOrder) -> tuple[dict, dict[str, Any] | None]:
+    """Forward, loss and backward of every micro-batch of `job` in one loop ordered by `order` (its chunks are the
+    job's): ({name: sum over the batch}, summed aux statistics or None); see the module doc."""
+    return WindowedLoop(job, inputs, loss, order).run()
 
-    @tf.custom_gradient
-    def pipeline(*args: tf.Tensor) -> Any:
-        xs, thetas, head_ws = stopped_arguments(args, devices[0], len(flat_inputs), [len(f) for f in flat_theta])
-        with tf.device(devices[0]):
-            micro = microbatch.split(with_float_leaves(inputs, xs), m)
-        with tf.device(devices[-1]):
-            targets = microbatch.split(loss.targets, m)
-            seed = tf.constant(1.0) if loss.gradient_seed is None else tf.identity(loss.gradient_seed)
 
-        def body(first: tf.Tensor, last: tf.Tensor, weights: tuple, head_w: tuple, rings: tuple,
-                 sums: tuple, head_sums: tuple, values: tuple, kept: tuple, *state: Any) -> tuple:
-            tokens, forward_rings, weight_rings = rings
-            stashes = [WeightStash() if batched else None for _ in range(k)]
-            new_forward_rings = list(forward_rings)
-            aux_sums, arrays = state[:num_aux], state[num_aux:]
-            first_next, index, h, micro_ctx = loop_parts.next_micro_batch(job, first, micro, bool(aux_spec))
-            records = []
-            for s in range(k):
-                with placement.on_stage(scopes[s]), tf.name_scope("forward"):
-                    # Wait for the backward of micro-batch index - windows[s] on this stage (1F1B's order and
-                    # its bound on stashes); the stage's own copy of its input stays on its device.
-                    before = [tokens[s][0]] + ([forward_rings[waiting.index(s)][0]] if s in waits else [])
-                    before += [weight_rings[s][0]] if weight_windows else []
-                    with tf.control_dependencies(before):
-                        h = tf.nest.map_structure(tf.identity, h)
+class LoopState(NamedTuple):
+    """The windowed loop's variables. Per-chunk fields are tuples over the job's chunks, each on its chunk's
+    device; a ring is a tuple of tokens whose first a cell waits for (`loop_parts.advance`)."""
 
-                    def fn(ws: Sequence[tf.Tensor], x: Any, s: int = s) -> Any:
-                        return job.run_stage(s, ws, x, micro_ctx)
-                    records.append(StageForward(fn, weights[s], h, s > 0 or input_gradient, job.plan.remat[s],
-                                                stashes[s]))
-                    h = records[-1].outputs
-                    for j in fills.get(s, []):
-                        with tf.control_dependencies(float_leaves(h)):
-                            done = tf.identity(forward_rings[j][-1])
-                        new_forward_rings[j] = tuple(forward_rings[j][1:]) + (done,)
-            stats = tf.nest.flatten({path: micro_ctx.aux[path] for path in aux_spec}) if aux_spec else []
-            with placement.on_stage(scopes[-1]):
-                last_next = last + 1
-                index_last = last_next - 1
-                with tf.name_scope("loss"):
-                    tgt = tf.nest.map_structure(lambda t: t[index_last], targets)
-                    outs = [tf.identity(t) for t in float_leaves(h)]
-                    tape = tf.GradientTape(watch_accessed_variables=False)
-                    with tape:
-                        tape.watch(outs + list(head_w))
-                        got = loss.fn(list(head_w), with_float_leaves(h, outs), tgt, micro_ctx)
-                with tf.name_scope("backward"):
-                    seed_here = tf.cast(seed, got["loss"].dtype)
-                    grads = tape.gradient(got["loss"], outs + list(head_w), output_gradients=seed_here,
-                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                dy = grads[:len(outs)]
-                head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(head_sums, grads[len(outs):]))
-                values = tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(values, names))
-                aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
-            new_sums, new_tokens, new_weight_rings, new_kept = [None] * k, [None] * k, [()] * k, list(kept)
-            for s in reversed(range(k)):
-                with placement.on_stage(scopes[s]), tf.name_scope("backward"):
-                    dx, dw = records[s].gradient(dy)
-                    # None: a weight whose whole gradient waits in the stash (batched W).
-                    new_sums[s] = tuple(a if g is None else a + g for a, g in zip(sums[s], dw))
-                    if batched:
-                        new_kept[s] = stash_layout.keep(s, kept[s], stashes[s].records)
-                    # Split orders (B, then W): the next forwards wait for the input gradient (B) only, and for
-                    # the weight gradients (W) of weight_windows[s] micro-batches back through their own ring.
-                    # A first stage without an input gradient has no B: its token waits for W, as in 1F1B.
-                    split = bool(weight_windows) and bool(dx)
-                    with tf.control_dependencies(list(dx) if split else list(new_sums[s]) + list(dx)):
-                        done = tf.identity(tokens[s][-1])
-                    new_tokens[s] = tuple(tokens[s][1:]) + (done,)
-                    if weight_windows:
-                        with tf.control_dependencies(list(new_sums[s])):
-                            weight_done = tf.identity(weight_rings[s][-1])
-                        new_weight_rings[s] = tuple(weight_rings[s][1:]) + (weight_done,)
-                    dy = dx
-            if input_gradient:
-                with placement.on_stage(scopes[0]):
-                    arrays = tuple(a.write(index, d) for a, d in zip(arrays, dy))
-            rings = (tuple(new_tokens), tuple(new_forward_rings), tuple(new_weight_rings))
-            return (first_next, last_next, weights, head_w, rings,
-                    tuple(new_sums), head_sums, values, tuple(new_kept), *aux_sums, *arrays)
+    first: tf.Tensor  # the first chunk's micro-batch counter
+    last: tf.Tensor  # the last chunk's micro-batch counter
+    weights: tuple  # per chunk, its weights, passed through unchanged
+    head_weights: tuple  # the loss head's weights, passed through unchanged
+    tokens: tuple  # per chunk, a ring of in_flight[c] tokens, each made by a backward (B, or B and W)
+    forward_rings: tuple  # per chunk that waits for another's forward (`forward_waits`), a ring of lag tokens
+    weight_rings: tuple  # per chunk, a ring of weight_window[c] tokens made by its W (split orders), else ()
+    grad_sums: tuple  # per chunk, the sums of its weights' gradients
+    head_sums: tuple  # the sums of the loss head's weight gradients
+    values: tuple  # the sums of the loss function's values, in `WindowedLoop.names` order
+    kept: tuple  # per chunk, its stashed matmul inputs and output gradients for batched W (`StashLayout`)
+    aux_sums: tuple  # the sums of the auxiliary statistics (`PipelineJob.aux_spec`), flat
+    input_gradients: tuple  # the pipeline input's gradient per micro-batch: TensorArrays on the first chunk
 
-        initial_tokens, initial_sums, initial_weight_rings = [], [], []
-        for s in range(k):
-            with tf.device(devices[s]):
-                initial_tokens.append(tuple(tf.constant(0) for _ in range(windows[s])))
-                initial_weight_rings.append(tuple(tf.constant(0) for _ in range(weight_windows[s]))
-                                            if weight_windows else ())
-                initial_sums.append(tuple(tf.zeros_like(w) for w in thetas[s]))
-        initial_forward_rings = []
-        for s in waiting:
-            with tf.device(devices[waits[s][0]]):  # filled by stage t's forward, read by s on the same device
-                initial_forward_rings.append(tuple(tf.constant(0) for _ in range(waits[s][1])))
+
+class Forward(NamedTuple):
+    """One micro-batch's forward pass through every chunk: what its loss and backward need."""
+
+    records: list[StageForward]  # per chunk, its forward (and what its gradient needs)
+    stashes: list[WeightStash | None]  # per chunk, its batched-W stash
+    outputs: Any  # the last chunk's output
+    context: FPropContext  # the micro-batch's context (seed, aux statistics)
+    index: tf.Tensor  # the micro-batch's index, on the first chunk
+
+
+class WindowedLoop:
+    """The loop of the module doc for one job, order and loss: `run` builds it."""
+
+    def __init__(self, job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder) -> None:
+        if order.num_chunks != job.num_chunks or order.in_flight is None:
+            raise ValueError(f"the {order.name} order has {order.num_chunks} stages and in_flight={order.in_flight}: "
+                             f"this loop needs one in-flight window per chunk of the job ({job.num_chunks})")
+        if len({c for c, _, _ in order.forward_waits}) != len(order.forward_waits):
+            raise ValueError(f"the {order.name} order's forward_waits {order.forward_waits} give a stage two waits: "
+                             "this loop keeps one forward ring per stage")
+        self.job, self.loss, self.order = job, loss, order
+        self.arguments = loop_parts.OpArguments.of(job, inputs, loss.head_weights)
+        self.num_aux = len(tf.nest.flatten(job.aux_spec))
+        self.batched = order.batched_weights  # matmul weight gradients wait in the stash for the last backward
+        self.stash_layout = batched_weights.StashLayout(
+            job.devices, job.chunk_weights if self.batched else [[] for _ in range(job.num_chunks)])
+        self.waits = {c: (t, lag) for c, t, lag in order.forward_waits}  # one forward ring per waiting chunk
+        self.waiting = sorted(self.waits)  # the chunks with a forward ring, in `LoopState.forward_rings` order
+        self.fills: dict[int, list[int]] = {}  # {chunk t: [index into `waiting`]}: the rings t's forward fills
+        for j, c in enumerate(self.waiting):
+            self.fills.setdefault(self.waits[c][0], []).append(j)
+        self.value_spec = _loss_value_spec(loss, job, job.num_micro_batches)
+        self.names = sorted(self.value_spec)
+        if "loss" not in self.value_spec:
+            raise ValueError(f"the pipeline's loss function returned {self.names}: it must return a 'loss' entry")
+        self.aux: dict[str, Any] = {}  # filled inside the custom gradient: the summed aux statistics
+
+    def run(self) -> tuple[dict, dict[str, Any] | None]:
+        """The loop as one `tf.custom_gradient` op: ({name: sum over the batch}, summed aux statistics or None)."""
+        @tf.custom_gradient
+        def pipeline(*args: tf.Tensor) -> Any:
+            split = self.arguments.stopped(args, self.job.devices[0])
+            self.prepare(split.inputs)
+            final = loop_parts.host_loop(self.body, self.initial_state(split), self.job.num_micro_batches,
+                                         self.job.num_micro_batches)
+            grad_sums = self.finish(final)
+            return list(final.values), lambda *upstream: self.gradients(final, grad_sums, split, upstream)
+
+        flat_values = pipeline(*self.arguments.flat)
+        return dict(zip(self.names, flat_values)), self.aux.get("aux")
+
+    def prepare(self, xs: list[tf.Tensor]) -> None:
+        """The loop's inputs: the micro-batches on the first chunk, the targets and the gradient seed on the last."""
+        job, loss = self.job, self.loss
+        with tf.device(job.devices[0]):
+            self.micro = microbatch.split(with_float_leaves(self.arguments.inputs, xs), job.num_micro_batches)
+        with tf.device(job.devices[-1]):
+            self.targets = microbatch.split(loss.targets, job.num_micro_batches)
+            self.seed = tf.constant(1.0) if loss.gradient_seed is None else tf.identity(loss.gradient_seed)
+
+    def initial_state(self, split: loop_parts.SplitArguments) -> LoopState:
+        """The loop variables before the first micro-batch, each made on the device that uses it."""
+        job, order = self.job, self.order
+        devices = job.devices
+        tokens, weight_rings, sums = [], [], []
+        for c in range(job.num_chunks):
+            with tf.device(devices[c]):
+                tokens.append(loop_parts.ring(order.in_flight[c]))
+                weight_rings.append(loop_parts.ring(order.weight_window[c]) if order.weight_window else ())
+                sums.append(tuple(tf.zeros_like(w) for w in split.chunk_weights[c]))
+        forward_rings = []
+        for c in self.waiting:
+            with tf.device(devices[self.waits[c][0]]):  # filled by chunk t's forward, read by c on the same device
+                forward_rings.append(loop_parts.ring(self.waits[c][1]))
         with tf.device(devices[-1]):
             # Half-precision head weights (cast by the task) still sum their gradients in float32.
-            head_zeros = tuple(tf.zeros(w.shape, _sum_dtype(w.dtype)) for w in head_ws)
-            value_zeros = tuple(tf.zeros(value_spec[n].shape, value_spec[n].dtype) for n in names)
-            aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in flat_aux_spec)
+            head_sums = tuple(tf.zeros(w.shape, loop_parts.sum_dtype(w.dtype)) for w in split.head_weights)
+            values = tuple(tf.zeros(self.value_spec[n].shape, self.value_spec[n].dtype) for n in self.names)
+            aux_sums = tuple(tf.zeros(sp.shape, sp.dtype) for sp in tf.nest.flatten(job.aux_spec))
         with tf.device(devices[0]):
-            arrays = tuple(tf.TensorArray(x.dtype, size=m, element_shape=[x.shape[0] // m] + x.shape[1:])
-                           for x in xs) if input_gradient else ()
-        out = loop_parts.host_loop(
-            body, (*loop_parts.counters([devices[0], devices[-1]]), tuple(tuple(ws) for ws in thetas),
-                   tuple(head_ws), (tuple(initial_tokens), tuple(initial_forward_rings), tuple(initial_weight_rings)),
-                   tuple(initial_sums), head_zeros, value_zeros, stash_layout.empty(), *aux_zeros, *arrays), m, m)
-        _, _, _, _, _, grad_sums, head_sums, values, kept, *state = out
-        if batched:  # W: each stage's batched weight gradients, after its last backward, on its device
-            grad_sums = [stash_layout.add_weight_gradients(s, kept[s], grad_sums[s], m) for s in range(k)]
-        if aux_spec:
-            result["aux"] = tf.nest.pack_sequence_as(aux_spec, state[:num_aux])
-        dx_arrays = state[num_aux:]
+            arrays = tuple(tf.TensorArray(x.dtype, size=job.num_micro_batches,
+                                          element_shape=[x.shape[0] // job.num_micro_batches] + x.shape[1:])
+                           for x in split.inputs) if job.input_gradient else ()
+        first, last = loop_parts.counters([devices[0], devices[-1]])
+        return LoopState(first=first, last=last, weights=tuple(tuple(ws) for ws in split.chunk_weights),
+                         head_weights=tuple(split.head_weights), tokens=tuple(tokens),
+                         forward_rings=tuple(forward_rings), weight_rings=tuple(weight_rings), grad_sums=tuple(sums),
+                         head_sums=head_sums, values=values, kept=self.stash_layout.empty(), aux_sums=aux_sums,
+                         input_gradients=arrays)
 
-        def grad_fn(*upstream: tf.Tensor) -> list[tf.Tensor]:
-            d_loss = upstream[names.index("loss")]
-            grads = []
-            with tf.device(devices[0]):
-                if input_gradient:
-                    for a, x in zip(dx_arrays, xs):
-                        grads.append(microbatch.merge(a.stack()) * _rescale(d_loss, seed, x.dtype))
-                else:
-                    grads += [tf.zeros_like(x) for x in xs]
-            for s in range(k):
-                with tf.device(devices[s]):
-                    grads += [g * _rescale(d_loss, seed, g.dtype) for g in grad_sums[s]]
-            with tf.device(devices[-1]):
-                grads += [tf.cast(g * _rescale(d_loss, seed, g.dtype), w.dtype) for g, w in zip(head_sums, head_ws)]
-            return grads
+    def body(self, state: LoopState) -> LoopState:
+        """One micro-batch's journey: its forward through every chunk, its loss, its backward."""
+        state, forward = self.forward(state)
+        state, dy = self.loss_step(state, forward)
+        state, dx = self.backward(state, forward, dy)
+        if not self.job.input_gradient:
+            return state
+        with placement.on_stage(self.job.chunk_scopes[0]):
+            arrays = tuple(a.write(forward.index, d) for a, d in zip(state.input_gradients, dx))
+        return state._replace(input_gradients=arrays)
 
-        return list(values), grad_fn
+    def forward(self, state: LoopState) -> tuple[LoopState, Forward]:
+        """The next micro-batch through every chunk, each waiting for its rings (the order's windows)."""
+        job = self.job
+        stashes = [WeightStash() if self.batched else None for _ in range(job.num_chunks)]
+        first, index, h, ctx = loop_parts.next_micro_batch(job, state.first, self.micro, bool(job.aux_spec))
+        forward_rings = list(state.forward_rings)
+        records = []
+        for c in range(job.num_chunks):
+            with placement.on_stage(job.chunk_scopes[c]), tf.name_scope("forward"):
+                # Wait for the backward of micro-batch index - in_flight[c] on this chunk (1F1B's order and its
+                # bound on stashes); the chunk's own copy of its input stays on its device.
+                before = [state.tokens[c][0]]
+                before += [state.forward_rings[self.waiting.index(c)][0]] if c in self.waits else []
+                before += [state.weight_rings[c][0]] if self.order.weight_window else []
+                with tf.control_dependencies(before):
+                    h = tf.nest.map_structure(tf.identity, h)
 
-    flat_values = pipeline(*flat_inputs, *[w for flat in flat_theta for w in flat], *head)
-    return dict(zip(names, flat_values)), result.get("aux")
+                def fn(ws: Sequence[tf.Tensor], x: Any, c: int = c) -> Any:
+                    return job.run_chunk(c, ws, x, ctx)
+                records.append(StageForward(fn, state.weights[c], h, c > 0 or job.input_gradient, job.plan.remat[c],
+                                            stashes[c]))
+                h = records[-1].outputs
+                for j in self.fills.get(c, []):
+                    forward_rings[j] = loop_parts.advance(state.forward_rings[j], float_leaves(h))
+        state = state._replace(first=first, forward_rings=tuple(forward_rings))
+        return state, Forward(records, stashes, h, ctx, index)
 
+    def loss_step(self, state: LoopState, forward: Forward) -> tuple[LoopState, list[tf.Tensor]]:
+        """The micro-batch's loss and its gradient on the last chunk: (the state with the loss's sums added, the
+        gradient of the last chunk's output float leaves, seeded with the loss's gradient seed)."""
+        job, ctx = self.job, forward.context
+        stats = tf.nest.flatten({path: ctx.aux[path] for path in job.aux_spec}) if job.aux_spec else []
+        with placement.on_stage(job.chunk_scopes[-1]):
+            last_next = state.last + 1
+            index_last = last_next - 1
+            with tf.name_scope("loss"):
+                targets = tf.nest.map_structure(lambda t: t[index_last], self.targets)
+                outs = [tf.identity(t) for t in float_leaves(forward.outputs)]
+                tape = tf.GradientTape(watch_accessed_variables=False)
+                with tape:
+                    tape.watch(outs + list(state.head_weights))
+                    got = self.loss.fn(list(state.head_weights), with_float_leaves(forward.outputs, outs), targets,
+                                       forward.context)
+            with tf.name_scope("backward"):
+                seed = tf.cast(self.seed, got["loss"].dtype)
+                grads = tape.gradient(got["loss"], outs + list(state.head_weights), output_gradients=seed,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(state.head_sums, grads[len(outs):]))
+            values = tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(state.values, self.names))
+            aux_sums = tuple(total + st for total, st in zip(state.aux_sums, stats))
+        state = state._replace(last=last_next, head_sums=head_sums, values=values, aux_sums=aux_sums)
+        return state, grads[:len(outs)]
 
-def _sum_dtype(dtype: tf.DType) -> tf.DType:
-    """float32 for half-precision values, else their own dtype."""
-    return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
+    def backward(self, state: LoopState, forward: Forward,
+                 dy: list[tf.Tensor]) -> tuple[LoopState, list[tf.Tensor]]:
+        """The micro-batch's backward through every chunk, last to first, each turning its rings: (the state, the
+        gradient of the pipeline's input on this micro-batch)."""
+        n = self.job.num_chunks
+        sums, tokens, weight_rings, kept = [None] * n, [None] * n, [()] * n, list(state.kept)
+        for c in reversed(range(n)):
+            with placement.on_stage(self.job.chunk_scopes[c]), tf.name_scope("backward"):
+                dx, dw = forward.records[c].gradient(dy)
+                # None: a weight whose whole gradient waits in the stash (batched W).
+                sums[c] = tuple(a if g is None else a + g for a, g in zip(state.grad_sums[c], dw))
+                if self.batched:
+                    kept[c] = self.stash_layout.keep(c, state.kept[c], forward.stashes[c].records)
+                # Split orders (B, then W): the next forwards wait for the input gradient (B) only, and for the
+                # weight gradients (W) of weight_window[c] micro-batches back through their own ring. A first
+                # chunk without an input gradient has no B: its token waits for W, as in 1F1B.
+                split = bool(self.order.weight_window) and bool(dx)
+                tokens[c] = loop_parts.advance(state.tokens[c], list(dx) if split else list(sums[c]) + list(dx))
+                if self.order.weight_window:
+                    weight_rings[c] = loop_parts.advance(state.weight_rings[c], sums[c])
+                dy = dx
+        state = state._replace(grad_sums=tuple(sums), tokens=tuple(tokens), weight_rings=tuple(weight_rings),
+                               kept=tuple(kept))
+        return state, dy
 
+    def finish(self, final: LoopState) -> Sequence[tuple[tf.Tensor, ...]]:
+        """After the loop: each chunk's weight gradient sums, with its batched W added (after its last backward, on
+        its device) where the order batches them; keeps the summed aux statistics for `run`."""
+        job = self.job
+        if job.aux_spec:
+            self.aux["aux"] = tf.nest.pack_sequence_as(job.aux_spec, list(final.aux_sums))
+        if not self.batched:
+            return final.grad_sums
+        return [self.stash_layout.add_weight_gradients(c, final.kept[c], final.grad_sums[c], job.num_micro_batches)
+                for c in range(job.num_chunks)]
 
-def _rescale(upstream: tf.Tensor | None, seed: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    """upstream / seed in `dtype`: the factor from gradients seeded with `seed` to the caller's gradients."""
-    if upstream is None:
-        return tf.zeros([], dtype)
-    return tf.cast(upstream, dtype) / tf.cast(seed, dtype)
+    def gradients(self, final: LoopState, grad_sums: Sequence[tuple[tf.Tensor, ...]],
+                  split: loop_parts.SplitArguments, upstream: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """The op's gradients (in `OpArguments.flat` order): what the loop summed, seeded with the loss's gradient
+        seed, rescaled to the caller's upstream gradient of the 'loss' sum, each on its chunk's device."""
+        job = self.job
+        d_loss = upstream[self.names.index("loss")]
+        grads = []
+        with tf.device(job.devices[0]):
+            if job.input_gradient:
+                grads += [microbatch.merge(a.stack()) * loop_parts.rescale(d_loss, self.seed, x.dtype)
+                          for a, x in zip(final.input_gradients, split.inputs)]
+            else:
+                grads += [tf.zeros_like(x) for x in split.inputs]
+        for c in range(job.num_chunks):
+            with tf.device(job.devices[c]):
+                grads += [g * loop_parts.rescale(d_loss, self.seed, g.dtype) for g in grad_sums[c]]
+        with tf.device(job.devices[-1]):
+            grads += [tf.cast(g * loop_parts.rescale(d_loss, self.seed, g.dtype), w.dtype)
+                      for g, w in zip(final.head_sums, split.head_weights)]
+        return grads
 
 
 def _loss_value_spec(loss: PipelineLoss, job: PipelineJob, m: int) -> dict[str, tf.TensorSpec]:

@@ -4,7 +4,7 @@ needs, so that W fills the bubbles.
 
 The order is data (`orders.zero_bubble`): 1F1B's in-flight windows K - k counted on B alone, and a weight window
 of K - k: stage k starts micro-batch i after its B of micro-batch i - (K - k) and its W of the same one. The loop
-is 1F1B's (`windowed_loop.run`): the token a forward waits for depends on the input gradient only, so the next
+is 1F1B's (`windowed_loop.run_training`): the token a forward waits for depends on the input gradient only, so the next
 forward need not wait for the weight-gradient matmuls, which TensorFlow's gradient already builds as their own
 ops; a second ring of tokens, filled by the weight-gradient sums, bounds how many wait. Within that bound the
 worker's executor runs W's ops as their inputs arrive, so how far W actually lags is its choice. With

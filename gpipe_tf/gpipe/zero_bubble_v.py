@@ -8,7 +8,7 @@ the other with no transfer between them. Each chunk is half a fill-drain stage, 
 half as long, and the W cells fill what is left of them.
 
 The order is data (`orders.zero_bubble_v`: its V of chunk devices and ZB-H1's windows over 2K stages); the loop is
-1F1B's (`windowed_loop.run`), and the stage plan places the chunks as the order says. Outside training it runs
+1F1B's (`windowed_loop.run_training`), and the stage plan places the chunks as the order says. Outside training it runs
 fill-drain's forward loop.
 """
 

@@ -67,7 +67,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
                           f"set it for the longest batch, e.g. --params={path}.micro_batch_shape=[B/M, T],"
                           f"{path}.input_dtype=int32")
     order = schedule_order(pipe, path)
-    plan = make_plan(pipe, chunk_devices=order.stage_devices, num_replicas=None, measure=None, path=path)
+    plan = make_plan(pipe, chunk_devices=order.devices_by_chunk, num_replicas=None, measure=None, path=path)
     k, m, v = plan.num_devices, pipe.num_micro_batches, order.virtual_stages
     stashes = stashed_micro_batches(order, m)
     var_dtype = tf.as_dtype(pipe.dtype or "float32")

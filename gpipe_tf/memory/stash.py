@@ -1,4 +1,4 @@
-"""How many micro-batches' stashes each pipeline stage holds at once, read from the schedule's own order data
+"""How many micro-batches' stashes each chunk holds at once, read from the schedule's own order data
 (`gpipe.orders.ScheduleOrder`): the loop that runs the schedule holds exactly what its order allows."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from gpipe_tf.gpipe.orders import ScheduleOrder
 
 
 def stashed_micro_batches(order: ScheduleOrder, num_micro_batches: int) -> list[int]:
-    """Micro-batches each of the v*K pipeline stages holds stashed at its peak (forward done, backward not).
+    """Micro-batches each of the v*K chunks holds stashed at its peak (forward done, backward not).
 
-    No in-flight bound (FillDrain, Unrolled: every forward before any backward): M on every stage. A window w
-    (1F1B: K - k; Interleaved: vK - s): min(M, w). With a weight window u (zero bubble), a stage also keeps the
+    No in-flight bound (FillDrain, Unrolled: every forward before any backward): M on every chunk. A window w
+    (1F1B: K - c; Interleaved: vK - c): min(M, w). With a weight window u (zero bubble), a chunk also keeps the
     stashes of up to u micro-batches whose input gradient ran and whose weight gradients wait: min(M, w + u).
     Batched weight gradients wait for the last backward: M (counted as whole stashes, an upper bound: what waits
     is the matmuls' inputs and output gradients).

@@ -38,13 +38,13 @@ def predicted_timeline(plan: StagePlan, num_micro_batches: int,
     """The timeline of a schedule's order (`Schedule.step_order(K)`; None: fill-drain) predicted from a stage plan:
     its per-stage costs (equal stages where an explicit balance computed none) and its per-stage remat decisions.
 
-    The plan has one stage per pipeline stage of the order, K * v of them in pipeline order (on the devices the
-    order gives, `ScheduleOrder.stage_devices`), and the timeline has K rows.
+    The plan has one entry per chunk of the order, K * v of them in pipeline order (on the devices the order gives,
+    `ScheduleOrder.devices_by_chunk`), and the timeline has K rows.
     """
     if order is None:
         order = orders.fill_drain(plan.num_chunks)
     if order.num_chunks != plan.num_chunks:
-        raise ParamsError(f"the {order.name} order has {order.num_chunks} pipeline stages (K={order.num_devices} x "
+        raise ParamsError(f"the {order.name} order has {order.num_chunks} chunks (K={order.num_devices} x "
                           f"v={order.virtual_stages}) but the plan has {plan.num_chunks}: plan with "
                           f"virtual_stages={order.virtual_stages}, or pass the order of the schedule the plan is for")
     costs = plan.stage_costs()

@@ -29,8 +29,8 @@ __all__ = ["PictureLayout", "render_text", "render_png", "image_tensor", "pictur
 
 
 # Two shades per phase, alternating with the micro-batch parity, so neighbouring cells stay distinguishable
-# even where a grid line is hard to see in a downscaled summary image. Interleaved chunks darken these shades
-# (`cell_color`); transfers of measured timelines get a third hue.
+# even where a grid line is hard to see in a downscaled summary image. Later laps (interleaved, V) darken these
+# shades (`cell_color`); transfers of measured timelines get a third hue.
 FORWARD_COLORS = ((110, 160, 230), (150, 190, 245))
 BACKWARD_COLORS = ((235, 140, 80), (245, 180, 125))
 WEIGHT_COLORS = ((175, 125, 215), (205, 170, 235))  # weight gradients, where an order splits them off (W)
@@ -38,8 +38,8 @@ TRANSFER_COLOR = (140, 200, 140)
 IDLE_COLOR = (255, 255, 255)
 GRID_COLOR = (205, 205, 205)
 TEXT_COLOR = (25, 25, 25)
-LIGHT_TEXT_COLOR = (250, 250, 250)  # digits on dark (late-chunk) cells; not pure white, which means idle
-_CHUNK_DARKENING = 0.45  # the last chunk's shade: this fraction darker than chunk 0's
+LIGHT_TEXT_COLOR = (250, 250, 250)  # digits on dark (late-lap) cells; not pure white, which means idle
+_LAP_DARKENING = 0.45  # the last lap's shade: this fraction darker than lap 0's
 _DARK_LUMINANCE = 120  # cells darker than this get light digits
 
 # A pathological cost spread (e.g. 1e-6 next to 1.0) would otherwise make a default-tick picture millions of
@@ -158,13 +158,13 @@ def _show_hidden_cells(row: list[Cell | None], cells: list[Cell], tick: float) -
             shown[id(cell)] += 1
 
 
-def _chunk_letters(chunk: int) -> str:
-    """a, b, ..., z, aa, ab, ...: the text label of a chunk."""
+def _lap_letters(lap: int) -> str:
+    """a, b, ..., z, aa, ab, ...: the text label of a lap."""
     letters = ""
     while True:
-        letters = chr(ord("a") + chunk % 26) + letters
-        chunk = chunk // 26 - 1
-        if chunk < 0:
+        letters = chr(ord("a") + lap % 26) + letters
+        lap = lap // 26 - 1
+        if lap < 0:
             return letters
 
 
@@ -188,12 +188,12 @@ def _render_text(timeline: Timeline, tick: float | None, prefix: str) -> str:
     timeline = _check_timeline(timeline)
     tick, columns = _resolve_tick(timeline, tick)
     v = timeline.virtual_stages
-    suffix_width = len(_chunk_letters(v - 1)) if v > 1 else 0
+    suffix_width = len(_lap_letters(v - 1)) if v > 1 else 0
     width = len(str(timeline.num_micro_batches - 1)) + suffix_width
     stage_width = len(str(timeline.num_stages - 1))
     keys = ["n = forward", "n' = backward"]
     if v > 1:
-        keys.append(f"letter = chunk (a = 0; chunk c of device d is pipeline stage c*{timeline.num_stages} + d)")
+        keys.append("letter = lap (a: the device's first chunk in pipeline order, b: its second, ...)")
     if any(c.phase == WEIGHT for c in timeline.cells):
         keys.append('n" = weight gradients')
     if any(c.phase == TRANSFER for c in timeline.cells):
@@ -209,7 +209,7 @@ def _render_text(timeline: Timeline, tick: float | None, prefix: str) -> str:
             elif c.phase == TRANSFER:
                 text.append(f"{'~':>{width}} ")
             else:
-                label = str(c.micro_batch) + (_chunk_letters(c.chunk) if v > 1 else "")
+                label = str(c.micro_batch) + (_lap_letters(c.lap) if v > 1 else "")
                 text.append(f"{label:>{width}}" + {FORWARD: " ", BACKWARD: "'", WEIGHT: '"'}[c.phase])
         lines.append(f"{_row_word(timeline)} {k:>{stage_width}} |{''.join(text)}|")
     return "\n".join(lines)
@@ -226,7 +226,8 @@ def render_text(timeline: Timeline, tick: float | None = None) -> str:
 
     The header says "GPipe schedule K=.. M=..: bubble ..% (bound ..%)" for fill-drain and names any other
     schedule after "schedule". Interleaved timelines (v > 1) have one row per device ("device 0 |...|") and a
-    chunk letter after each number ("3b'": backward of micro-batch 3 in chunk 1), columns one character wider.
+    lap letter after each number ("3b'": backward of micro-batch 3 in the device's second chunk), columns one
+    character wider.
     Measured timelines start "measured: ", give the step time and count columns in milliseconds; a transfer
     tick shows "~".
 
@@ -254,16 +255,16 @@ def render_comparison_text(predicted: Timeline, measured: Timeline) -> str:
     return _render_text(predicted, None, "predicted: ") + "\n\n" + _render_text(measured, None, "measured: ")
 
 
-def cell_color(phase: str, micro_batch: int | None, chunk: int = 0, virtual_stages: int = 1) -> tuple[int, int, int]:
+def cell_color(phase: str, micro_batch: int | None, lap: int = 0, virtual_stages: int = 1) -> tuple[int, int, int]:
     """The fill color of a cell: blue forward, orange backward, purple weight gradients, in two shades
-    alternating with the micro-batch's parity; chunk c of v darker by 0.45 * c / (v-1) (chunk 0 keeps the plain
+    alternating with the micro-batch's parity; lap l of v darker by 0.45 * l / (v-1) (lap 0 keeps the plain
     shades); a transfer green."""
     if phase == TRANSFER:
         return TRANSFER_COLOR
     base = {FORWARD: FORWARD_COLORS, BACKWARD: BACKWARD_COLORS, WEIGHT: WEIGHT_COLORS}[phase][(micro_batch or 0) % 2]
-    if virtual_stages <= 1 or chunk == 0:
+    if virtual_stages <= 1 or lap == 0:
         return base
-    keep = 1.0 - _CHUNK_DARKENING * chunk / (virtual_stages - 1)
+    keep = 1.0 - _LAP_DARKENING * lap / (virtual_stages - 1)
     return tuple(round(x * keep) for x in base)
 
 
@@ -332,7 +333,7 @@ def _grid_picture(timeline: Timeline, cell_px: int, rows: list[list[Cell | None]
                 end += 1
             if c is not None:
                 left, right = j * cell_px, end * cell_px
-                color = cell_color(c.phase, c.micro_batch, c.chunk, timeline.virtual_stages)
+                color = cell_color(c.phase, c.micro_batch, c.lap, timeline.virtual_stages)
                 # Filling inside the grid lines erases the tick lines within a multi-tick cell: one block each.
                 image[top + 1:top + cell_px, left + 1:right] = color
                 if c.phase != TRANSFER:
@@ -402,7 +403,7 @@ def _legend(timelines: list[Timeline]) -> list[tuple[list[tuple[int, int, int]],
     v = max(t.virtual_stages for t in timelines)
     forward = "forward of micro-batch n"
     if v > 1:
-        forward += f", chunks 0..{v - 1} light to dark"
+        forward += f", laps a..{_lap_letters(v - 1)} light to dark"
     backward = "backward of n" + (" (recomputes its forward)" if any(any(t.remat or ()) for t in timelines) else "")
     entries = [([cell_color(FORWARD, 0, c, v) for c in range(v)], forward),
                ([cell_color(BACKWARD, 0, c, v) for c in range(v)], backward)]
@@ -542,7 +543,7 @@ def render_png(timeline: Timeline, cell_px: int | None = None, schedule: str | N
     left under a "stage" or "device" heading), columns time ticks of the shortest forward or backward cell's
     duration, each cell_px pixels (None: chosen so that the grid is about 1200 pixels wide, 16 to 48 pixels a
     cell); a time arrow under the grid and a legend at the bottom. Forward cells are blue, backward orange, in
-    two shades alternating with the micro-batch parity, darker for later interleaved chunks (`cell_color`);
+    two shades alternating with the micro-batch parity, darker for later laps (`cell_color`);
     transfers green; idle ticks white, grid lines light gray. Each compute cell is one block with its
     micro-batch number drawn in a 3x5 bitmap font scaled to fit; the other text uses Pillow's built-in font.
     A measured timeline has millisecond labels under its grid. `picture_layout` says where the grid is.

@@ -54,11 +54,11 @@ def test_cells_count_runs_of_each_op_in_micro_batch_order():
 
 def test_interleaved_chunks_come_from_the_pipeline_stage():
     plan = []
-    for stage in (1, 3):  # device 1 of K=2 runs pipeline stages 1 and 3: chunks 0 and 1
+    for stage in (1, 3):  # device 1 of K=2 runs chunks 1 and 3: laps 0 and 1
         plan += [(f"while/gpipe4_stage{stage}/forward/MatMul", "MatMul", 0.01)] * 2
         plan += [(f"while/gradient_tape/while/gpipe4_stage{stage}/forward/MatMul/MatMul", "MatMul", 0.01)] * 2
     cells = measured_timeline.cells_of_step([[], _events(plan)], (0.0, 100.0), 2, _order("interleaved", 2))
-    assert sorted((c.stage, c.chunk, c.micro_batch, c.phase) for c in cells) == sorted(
+    assert sorted((c.stage, c.lap, c.micro_batch, c.phase) for c in cells) == sorted(
         (1, chunk, i, phase) for chunk in (0, 1) for i in (0, 1) for phase in "FB")
 
 
@@ -94,7 +94,7 @@ def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
                         ("zero_bubble_v", 2)):
         order = _order(schedule, 2)
         cells = json.loads((out / f"timeline_{schedule}_m4.json").read_text())["cells"]
-        counted = collections.Counter((order.stage_at(c["row"], c["chunk"]), c["micro_batch"], c["phase"])
+        counted = collections.Counter((order.chunk_at(c["row"], c["lap"]), c["micro_batch"], c["phase"])
                                       for c in cells if c["phase"] != "T")
         expected = {(s, i, phase) for s in range(2 * v) for i in range(4) for phase in "FB"}
         assert set(counted) == expected and set(counted.values()) == {1}, counted

@@ -37,12 +37,6 @@ _REPOSITORY_PATH = rf"(?<![\w./-])((?:{'|'.join(REPOSITORY_FOLDERS)})/[\w./-]*)"
 _MODULE_FILE = r"`(\w+\.py)`"
 _DOTTED = rf"(?<![\w.])((?:{'|'.join(DOTTED_ROOTS)})(?:\.\w+)+)"
 
-# Stale pointers in files another change is rewriting (they cannot be mended here). Each entry must still occur:
-# once its file is mended, the test says to remove the entry, so the list never hides a new pointer.
-PENDING = {
-    ("gpipe_tf/gpipe/fill_drain.py", "tests/test_pipeline.py"),
-}
-THIS_FILE = "tests/docs/test_pointers.py"
 
 
 def relative(path):
@@ -160,14 +154,12 @@ def name_problems(text, installed, module_files):
 
 
 def code_problems(check):
-    """Every problem `check(text)` finds in the code, as 'file:line: pointer: what is wrong', minus PENDING (in its
-    file, and in this one, which lists it)."""
+    """Every problem `check(text)` finds in the code, as 'file:line: pointer: what is wrong'."""
     found = []
     for path in code_files():
         name = relative(path)
         for line, pointer, why in check(read(path)):
-            if (name, pointer) not in PENDING and not (name == THIS_FILE and pointer in {p for _, p in PENDING}):
-                found.append(f"{name}:{line}: {pointer!r}: {why}")
+            found.append(f"{name}:{line}: {pointer!r}: {why}")
     return found
 
 
@@ -192,12 +184,6 @@ def test_paths_and_modules_named_in_the_code_exist():
     installed, module_files = installed_folders(), repository_module_files()
     problems = code_problems(lambda text: name_problems(text, installed, module_files))
     assert not problems, "\n".join(["names of files or modules that do not exist:"] + problems)
-
-
-def test_pending_pointers_are_still_there():
-    texts = {relative(path): read(path) for path in code_files()}
-    mended = sorted(entry for entry in PENDING if entry[1] not in texts.get(entry[0], ""))
-    assert not mended, f"mended: remove {mended} from PENDING in tests/docs/test_pointers.py"
 
 
 def test_prose_pointers_of_the_docs_resolve():

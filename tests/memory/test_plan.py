@@ -22,7 +22,7 @@ def test_stash_counts_come_from_each_schedules_order_data():
     assert stashed_micro_batches(_order("unrolled", 2), 3) == [3, 3]
     assert stashed_micro_batches(_order("one_f_one_b", 4), 8) == [4, 3, 2, 1]
     assert stashed_micro_batches(_order("one_f_one_b", 4), 2) == [2, 2, 2, 1]
-    # Interleaved, K=2, v=2: pipeline stages 0..3 hold 4, 3, 2, 1 (stage s on device s mod 2).
+    # Interleaved, K=2, v=2: chunks 0..3 hold 4, 3, 2, 1 (chunk c on device c mod 2).
     assert stashed_micro_batches(_order("interleaved", 2, virtual_stages=2), 8) == [4, 3, 2, 1]
     # Zero bubble: 1F1B's window plus the micro-batches whose weight gradients wait (K - k of each).
     assert stashed_micro_batches(_order("zero_bubble", 2), 8) == [4, 2]

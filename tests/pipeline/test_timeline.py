@@ -255,7 +255,7 @@ def test_every_schedule_picture_is_at_most_1300_pixels_wide_and_shows_every_cell
     # a column and at the same instant as another such cell, one up to 2 columns away).
     px, tick = layout.cell_px, layout.tick
     for cell in t.cells:
-        color = np.array(pictures.cell_color(cell.phase, cell.micro_batch, cell.chunk, t.virtual_stages), np.uint8)
+        color = np.array(pictures.cell_color(cell.phase, cell.micro_batch, cell.lap, t.virtual_stages), np.uint8)
         first = min(layout.columns - 1, int(cell.start // tick))
         last = max(first, min(layout.columns - 1, int(np.ceil(cell.end / tick)) - 1))
         if cell.duration >= tick:
@@ -349,16 +349,16 @@ def _check_schedule(t):
     dependency respected; returns the F and B cells keyed by (pipeline stage, micro-batch)."""
     k, m, v = t.num_stages, t.num_micro_batches, t.virtual_stages
     stages = k * v
-    assert t.num_pipeline_stages == stages
-    keys = [(t.pipeline_stage(c), c.micro_batch, c.phase) for c in t.cells]
+    assert t.num_chunks == stages
+    keys = [(t.chunk(c), c.micro_batch, c.phase) for c in t.cells]
     assert sorted(keys) == sorted((s, i, p) for s in range(stages) for i in range(m) for p in "FB")
-    f = {(t.pipeline_stage(c), c.micro_batch): c for c in t.cells if c.phase == "F"}
-    b = {(t.pipeline_stage(c), c.micro_batch): c for c in t.cells if c.phase == "B"}
+    f = {(t.chunk(c), c.micro_batch): c for c in t.cells if c.phase == "F"}
+    b = {(t.chunk(c), c.micro_batch): c for c in t.cells if c.phase == "B"}
     for c in t.cells:
-        assert 0 <= c.stage < k and 0 <= c.chunk < v
+        assert 0 <= c.stage < k and 0 <= c.lap < v
     for row in range(k):
         cells = t.stage_cells(row)
-        assert {t.pipeline_stage(c) for c in cells} == {s for s in range(stages) if t.order.device(s) == row}
+        assert {t.chunk(c) for c in cells} == {s for s in range(stages) if t.order.device(s) == row}
         for prev, nxt in zip(cells, cells[1:]):
             assert nxt.start >= prev.end - 1e-12
     for s in range(stages):
@@ -381,7 +381,7 @@ def _as_soon_as_possible(t, cells):
     for row in range(t.num_stages):
         free = 0.0
         for c in t.stage_cells(row):
-            needs = t.order.dependencies(c.phase, t.pipeline_stage(c), c.micro_batch, m)
+            needs = t.order.dependencies(c.phase, t.chunk(c), c.micro_batch, m)
             ready = max([cells[need].end for need in needs], default=0.0)
             assert c.start == pytest.approx(max(free, ready), abs=1e-12), c
             free = c.end
@@ -418,12 +418,12 @@ def test_one_f_one_b_runs_warm_up_steady_and_cool_down_on_each_stage(k, m):
 
 
 def test_interleaved_order_follows_the_loops_windows_by_hand():
-    # K=2, v=2, M=4: pipeline stages 0a, 1a, 0b, 1b (chunk c of device d is stage 2c + d) hold at most 4, 3, 2, 1
+    # K=2, v=2, M=4: chunks 0a, 1a, 0b, 1b (lap l of device d is chunk 2l + d) hold at most 4, 3, 2, 1
     # micro-batches; device d's chunk a starts micro-batch i after its chunk b's forward of i - 2. Device 0 runs
     # 2a and 3a (chunk a holds 4) before its first backward 0b' is ready at 6; its backwards then follow the
     # gradients down the stages. Device 1 alternates as soon as its last stage (1b, window 1) gets going.
     t = predict(2, 4, schedule="interleaved", virtual_stages=2)
-    order = [[f"{c.micro_batch}{'ab'[c.chunk]}{c.phase}" for c in t.stage_cells(d)] for d in range(2)]
+    order = [[f"{c.micro_batch}{'ab'[c.lap]}{c.phase}" for c in t.stage_cells(d)] for d in range(2)]
     assert order[0] == ["0aF", "1aF", "0bF", "1bF", "2aF", "3aF", "0bB", "2bF", "0aB", "1bB", "3bF", "1aB",
                         "2bB", "3bB", "2aB", "3aB"]
     assert order[1] == ["0aF", "1aF", "0bF", "0bB", "2aF", "1bF", "0aB", "1bB", "3aF", "2bF", "1aB", "2bB",
@@ -497,7 +497,7 @@ def test_interleaving_shrinks_the_bubble_of_the_same_work():
      "num_stages; use num_micro_batches=4 or 6"),
     (dict(schedule="interleaved", virtual_stages=2, num_micro_batches=1), "use num_micro_batches=2 (a multiple"),
     (dict(schedule="interleaved", virtual_stages=2, stage_costs=[1.0, 1.0]),
-     "stage_costs=[1.0, 1.0] has 2 entries for num_stages=2 x virtual_stages=2 = 4 pipeline stages"),
+     "stage_costs=[1.0, 1.0] has 2 entries for num_stages=2 x virtual_stages=2 = 4 chunks"),
     (dict(schedule="interleaved", virtual_stages=2, remat=[True, False]), "remat=[True, False] has 2 entries"),
 ])
 def test_invalid_schedule_arguments_name_the_value(kwargs, names):
@@ -509,7 +509,7 @@ def test_invalid_schedule_arguments_name_the_value(kwargs, names):
 
 def test_order_data_is_checked_and_a_deadlocking_order_is_named():
     with pytest.raises(ParamsError, match=re.escape("ScheduleOrder.in_flight=(1,) is invalid: give one window >= 1 "
-                                                    "per pipeline stage (2)")):
+                                                    "per chunk (2)")):
         orders.ScheduleOrder("mine", 2, in_flight=(1,))
     with pytest.raises(ParamsError, match=re.escape("forward_waits entry (0, 5, 1) is invalid")):
         orders.ScheduleOrder("mine", 2, forward_waits=((0, 5, 1),))
@@ -527,17 +527,17 @@ def test_each_pipeline_stage_is_one_chunk_of_one_device(schedule, v, k):
     assert (o.num_chunks, o.virtual_stages) == (v * k, v)
     expected = [min(s, 2 * k - 1 - s) for s in range(2 * k)] if schedule == "zero_bubble_v" else [
         s % k for s in range(v * k)]
-    assert list(o.stage_devices) == expected
+    assert list(o.devices_by_chunk) == expected
     seen = set()
     for s in range(o.num_chunks):
-        assert o.stage_at(o.device(s), o.chunk(s)) == s
-        seen.add((o.device(s), o.chunk(s)))
+        assert o.chunk_at(o.device(s), o.lap(s)) == s
+        seen.add((o.device(s), o.lap(s)))
     assert seen == {(d, c) for d in range(k) for c in range(v)}
 
 
 def test_chunk_devices_must_give_each_device_v_stages():
     with pytest.raises(ParamsError, match=re.escape("ScheduleOrder.chunk_devices=(0, 0, 1, 2) is invalid: give the "
-                                                    "device of each of the 4 pipeline stages, each device in [0, 2) "
+                                                    "device of each of the 4 chunks, each device in [0, 2) "
                                                     "holding virtual_stages=2 of them")):
         orders.ScheduleOrder("mine", 2, 2, chunk_devices=(0, 0, 1, 2))
     with pytest.raises(ParamsError, match=re.escape("chunk_devices=(0, 1) is invalid")):
@@ -553,7 +553,7 @@ def test_zero_bubble_v_turns_on_the_last_device_and_ends_on_the_first(k, m, cost
     # chunks and ZB-H1's.
     t = predict(k, m, costs, schedule="zero_bubble_v", defer_weights=True)
     stages = 2 * k
-    cells = {(c.phase, t.pipeline_stage(c), c.micro_batch): c for c in t.cells}
+    cells = {(c.phase, t.chunk(c), c.micro_batch): c for c in t.cells}
     assert sorted(cells) == sorted((p, s, i) for s in range(stages) for i in range(m) for p in "FBW")
     assert len(cells) == len(t.cells)
     for (phase, s, i), c in cells.items():
@@ -585,8 +585,8 @@ def test_interleaved_text_has_device_rows_and_chunk_letters():
     t = predict(2, 4, [0.5] * 4, schedule="interleaved", virtual_stages=2)
     lines = pictures.render_text(t).split("\n")
     assert lines[0] == ("GPipe schedule interleaved v=2 K=2 M=4: bubble 11.1% (bound 11.1%); 1 column = 0.5, "
-                        "n = forward, n' = backward, letter = chunk (a = 0; chunk c of device d is pipeline stage "
-                        "c*2 + d), . = idle")
+                        "n = forward, n' = backward, letter = lap (a: the device's first chunk in pipeline order, "
+                        "b: its second, ...), . = idle")
     # The order of test_interleaved_order_follows_the_loops_windows_by_hand, each forward one column, each
     # backward two.
     assert lines[1] == "device 0 |0a 1a 0b 1b 2a 3a 0b'0b'2b  . 0a'0a'1b'1b'3b  . 1a'1a'2b'2b' . 3b'3b'2a'2a'3a'3a'|"
@@ -683,7 +683,7 @@ def test_measured_text_shows_every_cell_once_for_each_schedule():
             width = len(str(t.num_micro_batches - 1)) + (1 if t.virtual_stages > 1 else 0) + 1
             runs = [label for label, _ in itertools.groupby(body[j:j + width] for j in range(0, len(body), width))]
             compute = [label for label in runs if label.strip(" ~.")]
-            expected = [f"{c.micro_batch}{'ab'[c.chunk] if t.virtual_stages > 1 else ''}"
+            expected = [f"{c.micro_batch}{'ab'[c.lap] if t.virtual_stages > 1 else ''}"
                         f"{' ' if c.phase == 'F' else chr(39)}" for c in t.stage_cells(row)]
             assert compute == expected
 
@@ -698,7 +698,7 @@ def test_measured_text_shows_every_cell_once_for_each_schedule():
                                                       "[0, 4)"),
     (dict(cells=[timeline.Cell(0, 4, "T", 0, 1)]), "cells[0].micro_batch=4 is invalid: it must be an int in [0, 4) "
                                                    "(num_micro_batches=4), or None for a transfer"),
-    (dict(cells=[timeline.Cell(0, 0, "F", 0, 1, chunk=1)]), "cells[0].chunk=1 is invalid: it must be an int in "
+    (dict(cells=[timeline.Cell(0, 0, "F", 0, 1, lap=1)]), "cells[0].lap=1 is invalid: it must be an int in "
                                                             "[0, 1) (virtual_stages=1)"),
     (dict(cells=[timeline.Cell(0, 0, "F", 2.0, 1.0)]), "cells[0].end=1.0 is invalid: it must be a time >= start=2.0"),
     (dict(cells=[timeline.Cell(0, 0, "F", float("nan"), 1.0)]), "cells[0].start=nan is invalid"),
@@ -793,10 +793,10 @@ def test_report_predicts_the_chosen_schedule_from_a_plan():
     assert (t.schedule, t.num_stages, t.virtual_stages) == ("interleaved", 2, 2)
     # Pipeline stage s = chunk * 2 + device keeps the plan's cost (normalized to sum 1) and remat.
     for c in t.cells:
-        s = t.pipeline_stage(c)
+        s = t.chunk(c)
         factor = 1.0 if c.phase == "F" else (3.0 if plan.remat[s] else 2.0)
         assert c.duration == pytest.approx(costs[s] / 8 * factor)
-    with pytest.raises(ParamsError, match=r"the interleaved order has 6 pipeline stages \(K=2 x v=3\) but the plan "
+    with pytest.raises(ParamsError, match=r"the interleaved order has 6 chunks \(K=2 x v=3\) but the plan "
                                           r"has 4: plan with virtual_stages=3"):
         pipeline_report.predicted_timeline(plan, 4, order("interleaved", 2, v=3))
 
@@ -834,9 +834,9 @@ def test_zero_bubble_runs_weight_gradients_in_the_bubbles(k, m, costs):
     # K - s micro-batches behind; the total work is 1F1B's, the makespan shorter wherever there is a bubble.
     zb = predict(k, m, costs, schedule="zero_bubble", defer_weights=True)
     one_f_one_b = predict(k, m, costs, schedule="one_f_one_b")
-    keys = sorted((t_.phase, zb.pipeline_stage(t_), t_.micro_batch) for t_ in zb.cells)
+    keys = sorted((t_.phase, zb.chunk(t_), t_.micro_batch) for t_ in zb.cells)
     assert keys == sorted((p, s, i) for s in range(k) for i in range(m) for p in "FBW")
-    cells = {(c.phase, zb.pipeline_stage(c), c.micro_batch): c for c in zb.cells}
+    cells = {(c.phase, zb.chunk(c), c.micro_batch): c for c in zb.cells}
     for row in range(k):
         free = 0.0
         for c in zb.stage_cells(row):
@@ -886,7 +886,7 @@ def test_weight_gradients_per_micro_batch_run_right_after_their_input_gradients(
     if costs == "random":
         costs = list(np.random.default_rng(k * 10 + m).uniform(0.3, 2.0, k * v))
     t = predict(k, m, costs, schedule=schedule)
-    cells = {(c.phase, t.pipeline_stage(c), c.micro_batch): c for c in t.cells}
+    cells = {(c.phase, t.chunk(c), c.micro_batch): c for c in t.cells}
     assert sorted(cells) == sorted((p, s, i) for s in range(k * v) for i in range(m) for p in "FBW")
     for (phase, s, i), c in cells.items():
         if phase == "W":

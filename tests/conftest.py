@@ -1,4 +1,5 @@
-"""Test session set-up: 4 logical CPU devices, configured before any test initializes TensorFlow; the slow marker."""
+"""Test session set-up: 4 logical CPU devices, configured before any test initializes TensorFlow; the slow marker;
+the tiers (`--tier`)."""
 
 import inspect
 
@@ -39,10 +40,28 @@ def _module_spawners(module) -> set[str]:
     return spawners
 
 
+# --------------------------------------------------------------------------------------------------- the tiers
+TIERS = {
+    "default": "every test but those marked exhaustive (the README's test command)",
+    "exhaustive": "only the tests marked exhaustive: the full grids (.ci/run runs it after the default tier)",
+    "all": "every test",
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", default="default", choices=sorted(TIERS),
+                     help="which tier of tests to run: " + "; ".join(f"{k}: {v}" for k, v in TIERS.items()))
+
+
+def _in_tier(item, tier: str) -> bool:
+    exhaustive = item.get_closest_marker("exhaustive") is not None
+    return tier == "all" or exhaustive == (tier == "exhaustive")
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks `slow` every test that starts a process (a trainer, a TF worker, TensorBoard, pip), itself or through
     a helper or fixture of its module: `pytest -m "not slow"` runs the in-process tests alone in a few minutes.
-    The README's test command runs both."""
+    Then keeps the tests of the tier `--tier` names (docs/contributing.md#the-tiers)."""
     for item in items:
         function = getattr(item, "function", None)
         if function is None:
@@ -51,3 +70,8 @@ def pytest_collection_modifyitems(config, items):
         source = inspect.getsource(getattr(function, "__wrapped__", function))
         if _starts_a_process(source, spawners) or spawners & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+    tier = config.getoption("tier")
+    kept = [item for item in items if _in_tier(item, tier)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if not _in_tier(item, tier)])
+        items[:] = kept

@@ -12,6 +12,7 @@ from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers import weight_gradients
 from gpipe_tf.layers.transformer import TransformerEncoderLayer
 from gpipe_tf.memory.stash import stashed_micro_batches
+from tests.helpers import tiers
 from tests.helpers.pipeline_models import DEVICES, mlp_layers
 from tests.pipeline.test_schedules import DEPTH, assert_same, build, data, loss_and_grads
 
@@ -112,10 +113,9 @@ def reference():
     return x, targets, head, loss_and_grads(build(mlp_layers("float64", depth=DEPTH), "float64"), x, targets, head)
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "zero_bubble", "zero_bubble_v"])
-@pytest.mark.parametrize("remat", ["never", "always"])
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("schedule,remat,k,m", tiers.grid(
+    corners=("schedule", "remat", "k"), schedule=["fill_drain", "zero_bubble", "zero_bubble_v"],
+    remat=["never", "always"], k=[1, 2, 3, 4], m=[1, 2, 4, 8]))
 def test_mlp_float64_with_batched_w_equals_unpipelined(reference, k, m, remat, schedule):
     x, targets, head, ref = reference
     layer = build(mlp_layers("float64", depth=DEPTH), "float64", k, m, remat, batched(schedule))

@@ -14,6 +14,7 @@ from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.linear import Linear
 from gpipe_tf.layers.sequential import Sequential
+from tests.helpers import tiers
 from tests.helpers.pipeline_models import BATCH, DEVICES, conv_layers, count_ops, mlp_layers, placed_ops
 
 SCHEDULES = ["unrolled", "fill_drain"]
@@ -56,12 +57,11 @@ def mlp_reference():
     return x, loss_and_grads(build(mlp_layers("float64"), "float64"), x)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
-def test_mlp_float64_equals_unpipelined(mlp_reference, k, m, schedule):
+@pytest.mark.parametrize("schedule,remat,k,m", tiers.grid(
+    corners=("schedule", "remat", "k"), schedule=SCHEDULES, remat=["never", "always", "except_last"],
+    k=[1, 2, 3, 4], m=[1, 2, 3, 4, 8]))
+def test_mlp_float64_equals_unpipelined(mlp_reference, k, m, remat, schedule):
     x, ref = mlp_reference
-    remat = ["always", "never", "except_last"][(k + m) % 3]
     got = loss_and_grads(build(mlp_layers("float64"), "float64", k, m, remat, schedule=schedule), x)
     assert_same(got, ref, rtol=1e-10, atol=1e-12)
 

@@ -15,9 +15,10 @@ from gpipe_tf.gpipe.schedule_base import PipelineLoss
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.sequential import Sequential
+from tests.helpers import tiers
 from tests.helpers.pipeline_models import BATCH, DEVICES, conv_layers, count_ops, mlp_layers, placed_ops
 
-DEPTH = 12  # Interleaved v=3 at K=4 needs 12 pipeline stages
+DEPTH = 12  # Interleaved v=3 at K=4 needs 12 chunks
 
 
 def schedule_params(name, v=None):
@@ -83,10 +84,9 @@ def reference():
     return x, targets, head, loss_and_grads(build(mlp_layers("float64", depth=DEPTH), "float64"), x, targets, head)
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "zero_bubble", "zero_bubble_v"])
-@pytest.mark.parametrize("remat", ["never", "always"])
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("schedule,remat,k,m", tiers.grid(
+    corners=("schedule", "remat", "k"), schedule=["fill_drain", "one_f_one_b", "zero_bubble", "zero_bubble_v"],
+    remat=["never", "always"], k=[1, 2, 3, 4], m=[1, 2, 4, 8]))
 def test_mlp_float64_loss_in_pipeline_equals_unpipelined(reference, k, m, remat, schedule):
     x, targets, head, ref = reference
     got = loss_and_grads(build(mlp_layers("float64", depth=DEPTH), "float64", k, m, remat, schedule), x, targets,
@@ -98,11 +98,11 @@ def test_mlp_float64_loss_in_pipeline_equals_unpipelined(reference, k, m, remat,
 INTERLEAVED = [(k, m) for k in (1, 2, 4) for m in (1, 2, 4, 8) if m % k == 0] + [(3, 3), (3, 6)]
 
 
-@pytest.mark.parametrize("v", [2, 3])
-@pytest.mark.parametrize("k,m", INTERLEAVED)
-def test_mlp_float64_interleaved_equals_unpipelined(reference, k, m, v):
+@pytest.mark.parametrize("v,remat,km", tiers.grid(corners=("v", "remat"), v=[2, 3], remat=["never", "always"],
+                                                   km=INTERLEAVED))
+def test_mlp_float64_interleaved_equals_unpipelined(reference, km, remat, v):
     x, targets, head, ref = reference
-    remat = ["never", "always"][(k + m + v) % 2]  # both policies at every K and v
+    k, m = km
     layer = build(mlp_layers("float64", depth=DEPTH), "float64", k, m, remat, schedule_params("interleaved", v))
     assert layer.plan.num_chunks == v * k
     assert [layer.plan.devices[0][s] for s in range(v * k)] == [DEVICES[s % k] for s in range(v * k)]
@@ -229,7 +229,7 @@ def test_interleaved_errors_name_the_fix():
         build(mlp_layers("float32", depth=8), "float32", 2, 3, "never", Interleaved.params().set(virtual_stages=2))
     with pytest.raises(ParamsError, match=r"virtual_stages=0 must be a whole number >= 1"):
         build(mlp_layers("float32", depth=8), "float32", 2, 2, "never", Interleaved.params().set(virtual_stages=0))
-    with pytest.raises(ParamsError, match=r"num_stages=4 x schedule.virtual_stages=3 = 12 pipeline stages.*"
+    with pytest.raises(ParamsError, match=r"num_stages=4 x schedule.virtual_stages=3 = 12 chunks.*"
                                           r"num_stages <= 2"):
         build(mlp_layers("float32", depth=8), "float32", 4, 4, "never", Interleaved.params().set(virtual_stages=3))
     with pytest.raises(ParamsError, match=r"num_stages x virtual_stages=4"):

@@ -1,0 +1,57 @@
+"""The tiers: a grid's default sample keeps its corners and covers every pair of values; `--tier` splits the
+collected tests into the default and exhaustive tiers without losing or repeating one."""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import tiers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AXES = dict(schedule=["fill_drain", "one_f_one_b", "zero_bubble"], remat=["never", "always"], k=[1, 2, 3, 4],
+            m=[1, 2, 4, 8])
+
+
+def test_the_default_sample_keeps_every_corner_and_covers_every_pair():
+    cases = tiers.default_cases(AXES, corners=("schedule", "remat", "k"))
+    assert len(set(cases)) == len(cases) < len(list(itertools.product(*AXES.values())))
+    for schedule, remat, k in itertools.product(AXES["schedule"], AXES["remat"], (1, 4)):
+        assert any(c[:3] == (schedule, remat, k) for c in cases), (schedule, remat, k)
+    names = list(AXES)
+    for (a, b) in itertools.combinations(range(len(names)), 2):
+        for va, vb in itertools.product(AXES[names[a]], AXES[names[b]]):
+            assert any(c[a] == va and c[b] == vb for c in cases), (names[a], va, names[b], vb)
+    assert tiers.default_cases(AXES, corners=("schedule", "remat", "k")) == cases  # the same on every run
+
+
+def test_grid_marks_what_the_default_sample_leaves_out():
+    params = tiers.grid(corners=("k",), **AXES)
+    kept = {tuple(p.values) for p in params if not p.marks}
+    assert kept == set(tiers.default_cases(AXES, corners=("k",)))
+    assert all(p.marks == (tiers.EXHAUSTIVE,) for p in params if tuple(p.values) not in kept)
+    assert len(params) == len(list(itertools.product(*AXES.values())))
+    with pytest.raises(ValueError, match=r"corners \['n'\] are not axes of the grid"):
+        tiers.grid(corners=("n",), **AXES)
+
+
+def test_a_one_axis_grid_keeps_every_value_unless_it_is_a_corner():
+    assert tiers.default_cases(dict(k=[1, 2, 3])) == [(1,), (2,), (3,)]
+    assert tiers.default_cases(dict(k=[1, 2, 3]), corners=("k",)) == [(1,), (3,)]
+
+
+def _collected(tier):
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", f"--tier={tier}",
+                             "tests/pipeline/test_batched_weights.py"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {line for line in result.stdout.splitlines() if "::" in line}
+
+
+def test_the_default_and_exhaustive_tiers_split_the_tests_between_them():
+    default, exhaustive, every = _collected("default"), _collected("exhaustive"), _collected("all")
+    assert default and exhaustive and not default & exhaustive
+    assert default | exhaustive == every
+    assert all("equals_unpipelined" in name for name in exhaustive)

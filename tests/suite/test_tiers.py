@@ -55,3 +55,10 @@ def test_the_default_and_exhaustive_tiers_split_the_tests_between_them():
     assert default and exhaustive and not default & exhaustive
     assert default | exhaustive == every
     assert all("equals_unpipelined" in name for name in exhaustive)
+
+
+def test_ci_runs_the_exhaustive_tier_and_the_linter():
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
+        lines = [line.strip() for line in f if not line.lstrip().startswith("#")]
+    assert ".venv/bin/python -m pytest -q --tier=exhaustive" in lines
+    assert any(line.endswith(".venv/bin/ruff check .") for line in lines)

@@ -1,8 +1,9 @@
-"""The fill-drain schedule as one while loop: a graph constant in M, every stage's state on its own device.
+"""The fill-drain schedule as one while loop: a graph constant in M, every chunk's state on its own device.
 
-Forward: one `tf.while_loop` over micro-batches; its body runs stage 0, 1, ..., K-1 on micro-batch i, each under
-its stage's device and name scope. Each device runs its part of the loop on its own, so stage 0 starts micro-batch
-i+1 while stage 1 runs micro-batch i, which gives GPipe's fill (`parallel_iterations`, default 1, is per device).
+Forward: one `tf.while_loop` over micro-batches; its body runs chunk 0, 1, ..., S-1 on micro-batch i (the K stages,
+or the v x K chunks of a schedule whose forward pass this loop runs; `orders.py` defines the words), each under its
+chunk's device and name scope. Each device runs its part of the loop on its own, so chunk 0 starts micro-batch i+1
+while chunk 1 runs micro-batch i, which gives GPipe's fill (`parallel_iterations`, default 1, is per device).
 Backward: TensorFlow's gradient of that loop, a second loop that starts once the whole output gradient exists
 (all forwards, then all backwards, micro-batches in reverse), so the graph does not grow with M.
 
@@ -10,28 +11,28 @@ Where things live, and why (checked on the placed graph, `tests/pipeline/test_pi
 
 * A lowered while loop places each loop variable's nodes with its initial value, and runs its condition (and
   any unplaced body node) on the While op's device (`placement.loop_device`). Every op here is built under its
-  stage's device; the loop counters start on the stage that uses them (the first stage reads micro-batches and
-  makes each one's seed with its own; the last stage writes outputs with its own), so what the backward keeps of
+  chunk's device; the loop counters start on the chunk that uses them (the first chunk reads micro-batches and
+  makes each one's seed with its own; the last chunk writes outputs with its own), so what the backward keeps of
   an index stays there too.
 * The While ops themselves (forward and backward) sit on this process's CPU (`placement.host_device()`), which
-  runs no stage, and the forward loop's condition is its own iteration count (`maximum_iterations`), kept
-  there too: the next micro-batch never waits for a stage's answer. A single-thread worker handles a message
-  only when its current chain of ops ends, so a condition that needed a busy stage (the last stage's counter)
-  would hold the first stage's next forward until the last stage finished the current one, and the forward would
-  run the stages in turn. The backward loop's counter and condition sit on the host too
-  (`placement.colocate_gradients`) for the same reason: on the last stage the backward would wait for it.
-* Each stage's weights are loop variables passed through unchanged, so TensorFlow's backward loop sums their
-  gradients in loop variables that start from zeros made here on the stage's device. (In-place additions into
+  runs no chunk, and the forward loop's condition is its own iteration count (`maximum_iterations`), kept
+  there too: the next micro-batch never waits for a chunk's answer. A single-thread worker handles a message
+  only when its current chain of ops ends, so a condition that needed a busy device (the last chunk's counter)
+  would hold the first chunk's next forward until the last chunk finished the current one, and the forward would
+  run the chunks in turn. The backward loop's counter and condition sit on the host too
+  (`placement.colocate_gradients`) for the same reason: on the last chunk's device the backward would wait for it.
+* Each chunk's weights are loop variables passed through unchanged, so TensorFlow's backward loop sums their
+  gradients in loop variables that start from zeros made here on the chunk's device. (In-place additions into
   variables would be stateful ops, and a lowered loop starts its next iteration only after all of the
-  previous iteration's stateful ops: the backward would not overlap stages at all.)
-* Each stage runs as one op (`stage_op`) whose gradient runs on the stage's device; each stage first copies its
-  input there, so the stashes TensorFlow keeps for the backward (stage inputs; with remat off also activations)
+  previous iteration's stateful ops: the backward would not overlap chunks at all.)
+* Each chunk runs as one op (`stage_op`) whose gradient runs on the chunk's device; each chunk first copies its
+  input there, so the stashes TensorFlow keeps for the backward (chunk inputs; with remat off also activations)
   are pushed on that device. Only boundary activations, their gradients and the loop control cross devices.
 * Rematerialization is the same op recomputing its forward pass in its gradient, once the boundary gradient
   has arrived (`remat.stage_op`; `remat.py` says why not `tf.recompute_grad`).
 * With `batch_weight_gradients`, the matmul weights' gradients are not summed in the backward loop: each matmul's
   input and output gradient leave the loop as the gradients of TensorLists the forward reads placeholders from,
-  and after it each weight's gradient is one matmul on its stage's device (`batched_weights.RoutedStashes`).
+  and after it each weight's gradient is one matmul on its chunk's device (`batched_weights.RoutedStashes`).
 """
 
 from __future__ import annotations
@@ -112,7 +113,12 @@ class FillDrainLoop:
         self.job, self.parallel_iterations = job, parallel_iterations
         self.batch_weight_gradients = batch_weight_gradients
         self.arguments = loop_parts.OpArguments.of(job, inputs)
-        self.result: dict[str, Any] = {}  # filled inside the custom gradient: outputs and summed aux statistics
+        # Made inside the custom gradient (`forward`): the split inputs, the routing lists of batched weight
+        # gradients, every output leaf (float or not) and the summed aux statistics.
+        self.micro: Any = None
+        self.routed: batched_weights.RoutedStashes | None = None
+        self.outputs: list[tf.Tensor] = []
+        self.aux_sums: dict[str, Any] | None = None
 
     def run(self) -> tuple[Any, dict[str, Any] | None]:
         """The loop as one `tf.custom_gradient` op: (outputs, summed aux statistics or None)."""
@@ -124,17 +130,17 @@ class FillDrainLoop:
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
                 weights_out = self.forward(tape, split)
-            out_float = [t for t in self.result["out"] if is_float(t)]
+            out_float = [t for t in self.outputs if is_float(t)]
             return out_float, lambda *dy: self.gradients(tape, split, weights_out, out_float, dy)
 
         float_out = iter(pipeline(*self.arguments.flat))
         outputs = tf.nest.pack_sequence_as(job.output_spec,
-                                           [next(float_out) if is_float(o) else o for o in self.result["out"]])
-        return outputs, self.result.get("aux")
+                                           [next(float_out) if is_float(o) else o for o in self.outputs])
+        return outputs, self.aux_sums
 
     def forward(self, tape: tf.GradientTape, split: loop_parts.SplitArguments) -> tuple:
         """Every micro-batch through every chunk in one loop, recorded on `tape`: each chunk's weights as the loop
-        returns them (the ends of the gradient sums' loop variables); keeps the outputs and aux sums in `result`."""
+        returns them (the ends of the gradient sums' loop variables); keeps the outputs and aux sums."""
         job = self.job
         tape.watch([w for ws in split.chunk_weights for w in ws] + (split.inputs if job.input_gradient else []))
         with tf.device(job.devices[0]):
@@ -155,9 +161,9 @@ class FillDrainLoop:
                           route_counters=route_counters, aux_sums=aux_zeros, outputs=arrays)
         final = loop_parts.host_loop(self.body, state, job.num_micro_batches, self.parallel_iterations)
         with tf.device(job.devices[-1]):
-            self.result["out"] = [microbatch.merge(a.stack()) for a in final.outputs]
+            self.outputs = [microbatch.merge(a.stack()) for a in final.outputs]
         if job.aux_spec:
-            self.result["aux"] = tf.nest.pack_sequence_as(job.aux_spec, list(final.aux_sums))
+            self.aux_sums = tf.nest.pack_sequence_as(job.aux_spec, list(final.aux_sums))
         return final.weights
 
     def body(self, state: LoopState) -> LoopState:
@@ -169,22 +175,19 @@ class FillDrainLoop:
             with placement.on_stage(job.chunk_scopes[c]):
                 # The chunk's own copy of its input: what the backward keeps of it stays here.
                 h = tf.nest.map_structure(tf.identity, h)
-
-                def fn(ws: Sequence[tf.Tensor], x: Any, c: int = c) -> Any:
-                    return job.run_chunk(c, ws, x, ctx)
                 stash, extra = None, []
                 if self.routed is not None:
                     route_counters.append(state.route_counters[c] + 1)
                     stash, extra = self.routed.stash(c), self.routed.placeholders(c, route_counters[-1] - 1)
-                h = stage_op(fn, list(state.weights[c]) + extra, h, c > 0 or job.input_gradient, job.plan.remat[c],
-                             job.devices[c], stash)
+                h = stage_op(loop_parts.chunk_fn(job, c, ctx), list(state.weights[c]) + extra, h,
+                             c > 0 or job.input_gradient, job.plan.remat[c], job.devices[c], stash)
         aux_sums = state.aux_sums
         with placement.on_stage(job.chunk_scopes[-1]):
             last = state.last + 1
             index = last - 1  # a tensor of this chunk (the loop's own input would be kept elsewhere)
             outputs = tuple(a.write(index, leaf) for a, leaf in zip(state.outputs, tf.nest.flatten(h)))
             if job.aux_spec:
-                stats = tf.nest.flatten({path: ctx.aux[path] for path in job.aux_spec})
+                stats = loop_parts.aux_statistics(job, ctx)
                 aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
         return LoopState(last=last, first=first, weights=state.weights, route_counters=tuple(route_counters),
                          aux_sums=aux_sums, outputs=outputs)
@@ -218,13 +221,13 @@ class FillDrainLoop:
 
 def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
                     micro: Any) -> batched_weights.RoutedStashes:
-    """The routing lists of batched weight gradients for `job`, from one trace of its stages on a micro-batch shaped
+    """The routing lists of batched weight gradients for `job`, from one trace of its chunks on a micro-batch shaped
     as `micro`'s elements."""
     def forward(x: Any, stashes: list) -> Any:
         ctx = job.micro_batch_context(tf.constant(0), bool(job.aux_spec))
-        for s in range(job.num_chunks):
-            with stashes[s].watching(thetas[s]):
-                x = job.run_chunk(s, thetas[s], x, ctx)
+        for c in range(job.num_chunks):
+            with stashes[c].watching(thetas[c]):
+                x = job.run_chunk(c, thetas[c], x, ctx)
         return x
 
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro)

@@ -30,7 +30,7 @@ class Interleaved(WindowedSchedule, short_name="interleaved"):
     def params(cls) -> InstantiableParams:
         """Default Params: virtual_stages."""
         p = super().params()
-        p.define("virtual_stages", 2, "v: chunks of layers per device. The pipeline has v x num_stages stages; "
+        p.define("virtual_stages", 2, "v: chunks of layers per device. The pipeline has v x num_stages chunks; "
                  "num_micro_batches must be a multiple of num_stages.")
         return p
 

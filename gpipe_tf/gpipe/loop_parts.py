@@ -53,11 +53,11 @@ class OpArguments:
         """The op's `args` (in `flat`'s order) by role."""
         args = list(args)
         start = len(float_leaves(self.inputs))
-        stages = []
+        chunks = []
         for ws in self.chunk_weights:
-            stages.append(args[start:start + len(ws)])
+            chunks.append(args[start:start + len(ws)])
             start += len(ws)
-        return SplitArguments(args[:len(float_leaves(self.inputs))], stages, args[start:])
+        return SplitArguments(args[:len(float_leaves(self.inputs))], chunks, args[start:])
 
     def stopped(self, args: Sequence[tf.Tensor], default_device: str) -> SplitArguments:
         """`split(args)` with each argument behind `tf.stop_gradient` on its own device (else `default_device`).
@@ -93,6 +93,18 @@ def advance(tokens: tuple[tf.Tensor, ...], after: Sequence[Any]) -> tuple[tf.Ten
     with tf.control_dependencies(list(after)):
         done = tf.identity(tokens[-1])
     return tuple(tokens[1:]) + (done,)
+
+
+def chunk_fn(job: PipelineJob, chunk: int, ctx: FPropContext) -> Callable[[Sequence[tf.Tensor], Any], Any]:
+    """`fn(weights, inputs)`: chunk `chunk` of `job` on one micro-batch of context `ctx`, as `remat` runs it."""
+    def fn(weights: Sequence[tf.Tensor], inputs: Any) -> Any:
+        return job.run_chunk(chunk, weights, inputs, ctx)
+    return fn
+
+
+def aux_statistics(job: PipelineJob, ctx: FPropContext) -> list[tf.Tensor]:
+    """The auxiliary statistics (`PipelineJob.aux_spec`) one micro-batch's forward left in `ctx`, flat."""
+    return tf.nest.flatten({path: ctx.aux[path] for path in job.aux_spec}) if job.aux_spec else []
 
 
 def next_micro_batch(job: PipelineJob, counter: tf.Tensor, micro: Any,

@@ -56,8 +56,8 @@ class GPipe(BaseLayer):
         """Default Params: the layer list, K, M, balance, remat and devices."""
         p = super().params()
         p.define("layers", [], "Layer Params, in order. Each layer's output is the next one's input.")
-        p.define("num_stages", 1, "K: pipeline stages, one per device (the Interleaved schedule runs v stages on "
-                 "each of the K devices).")
+        p.define("num_stages", 1, "K: pipeline stages, one per device (the Interleaved and ZeroBubbleV schedules "
+                 "cut the layers into v chunks per device).")
         p.define("num_micro_batches", 1, "M: micro-batches per mini-batch; must divide the batch size.")
         p.define("balance", None, "Layers per stage, e.g. [3, 5]; None: balanced automatically by balance_by.")
         p.define("balance_by", "params", f"Automatic balancing cost: one of {partition.BALANCE_BY}.")
@@ -226,7 +226,7 @@ class GPipe(BaseLayer):
 
     def fprop_with_loss(self, theta: Mapping[str, Any], inputs: Any, loss: PipelineLoss,
                         ctx: FPropContext) -> dict[str, tf.Tensor]:
-        """Runs the pipeline and `loss` (computed by the last stage) on a mini-batch: {name: sum over the batch}.
+        """Runs the pipeline and `loss` (on the last chunk's device) on a mini-batch: {name: sum over the batch}.
 
         The "loss" sum is differentiable with respect to the inputs, the weights and `loss.head_weights`; see
         `PipelineLoss` for what `loss.fn` must return. Every schedule gives the same sums and gradients; 1F1B and

@@ -37,16 +37,18 @@ class TimingRequiredError(ParamsError):
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
-    """How a GPipe layer splits its layers into stages.
+    """How a GPipe layer splits its layers into chunks: one per stage (K), or v per device for the schedules that
+    run v chunks per device (`gpipe_tf/gpipe/orders.py` defines the words). The per-chunk fields are named after
+    stages, which they are with v = 1.
 
     Attributes:
-      balance: number of layers of each stage.
-      stage_layers: each stage's layer names, ``layer_{j}`` with j the global index (names never depend on K, so
+      balance: number of layers of each chunk.
+      stage_layers: each chunk's layer names, ``layer_{j}`` with j the global index (names never depend on K, so
         checkpoints and dropout masks do not either).
       layer_costs: the balancing cost of every layer, or None where an explicit balance made costs unnecessary.
       cost_kind: what `layer_costs` measure, one of `partition.BALANCE_BY`, or None with no costs.
-      remat: whether each stage recomputes its forward pass in the backward pass (`remat.stage_uses_remat`).
-      devices: ``devices[r][k]``, the device of replica r's stage k; None where the plan was made without
+      remat: whether each chunk recomputes its forward pass in the backward pass (`remat.stage_uses_remat`).
+      devices: ``devices[r][c]``, the device of replica r's chunk c; None where the plan was made without
         resolving devices (`--mode=inspect`).
       virtual_stages: chunks per device (v of the Interleaved schedule, else 1): the plan has num_chunks = v x K
         chunks (K = num_stages of the Params).
@@ -65,25 +67,25 @@ class StagePlan:
 
     @property
     def num_chunks(self) -> int:
-        """The number of model chunks, v x K: the stages of K devices with v virtual stages each (chunk c runs on
-        device chunk_devices[c]); equal to K for the schedules with one chunk per device."""
+        """The number of chunks, v x K: v on each of K devices (chunk c runs on device chunk_devices[c]); equal to K
+        for the schedules with one chunk per device."""
         return len(self.balance)
 
     @property
     def num_devices(self) -> int:
-        """K, the devices one replica's stages run on."""
+        """K, the devices (stages) one replica runs on."""
         return len(self.balance) // self.virtual_stages
 
-    def layer_indices(self, stage: int) -> range:
-        """Global indices of the layers of `stage`."""
-        start = sum(self.balance[:stage])
-        return range(start, start + self.balance[stage])
+    def layer_indices(self, chunk: int) -> range:
+        """Global indices of the layers of `chunk`."""
+        start = sum(self.balance[:chunk])
+        return range(start, start + self.balance[chunk])
 
     def stage_costs(self) -> tuple[float, ...] | None:
-        """The summed layer cost of each stage, or None without costs."""
+        """The summed layer cost of each chunk, or None without costs."""
         if self.layer_costs is None:
             return None
-        return tuple(sum(self.layer_costs[j] for j in self.layer_indices(s)) for s in range(self.num_chunks))
+        return tuple(sum(self.layer_costs[j] for j in self.layer_indices(c)) for c in range(self.num_chunks))
 
 
 def micro_batch_spec(p: InstantiableParams, path: str = "") -> tf.TensorSpec:

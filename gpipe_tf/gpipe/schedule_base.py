@@ -35,7 +35,7 @@ LossFn = Callable[[Sequence[tf.Tensor], Any, Any, FPropContext], dict]
 
 @dataclasses.dataclass(frozen=True)
 class PipelineLoss:
-    """The loss a task hands the pipeline, for its last stage to compute per micro-batch.
+    """The loss a task hands the pipeline, for its last chunk's device to compute per micro-batch.
 
     `fn` returns sums over the examples it is given (never means), so that the sums of its values over the M
     micro-batches equal its values on the whole batch, exactly as the task's full-batch loss; the task divides by
@@ -43,7 +43,7 @@ class PipelineLoss:
     label weights enter through `targets`, so they combine as in the full-batch loss.
 
     Attributes:
-      fn: see `LossFn`. It runs on the last stage's device, inside the schedule.
+      fn: see `LossFn`. It runs on the last chunk's device (`PipelineJob.devices[-1]`), inside the schedule.
       head_weights: the flat weights `fn` uses (e.g. the softmax layer's), whose gradients the pipeline returns.
       targets: any nested tensors with the batch dimension first (labels, weights), split into micro-batches like
         the inputs.
@@ -176,7 +176,7 @@ class Schedule:
         """Runs the pipeline and the task's loss on a mini-batch: ({name: sum over the batch}, aux statistics).
 
         The "loss" sum is differentiable with respect to the inputs, the stages' weights and `loss.head_weights`.
-        This default runs `run` and then `loss.fn` once on the whole output, on the last stage's device: since
+        This default runs `run` and then `loss.fn` once on the whole output, on the last chunk's device: since
         `fn` returns sums, that equals the sum over micro-batches. Schedules that need each micro-batch's loss
         gradient before the next micro-batch's forward pass (1F1B) override it.
         """

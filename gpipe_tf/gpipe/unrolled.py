@@ -66,7 +66,7 @@ class Unrolled(Schedule, short_name="unrolled"):
         @tf.custom_gradient
         def pipeline(*args: tf.Tensor) -> Any:
             split = arguments.split(args)
-            records, outs = _forward(job, with_float_leaves(inputs, split.inputs), split.chunk_weights, output)
+            records, outs, output["aux"] = _forward(job, with_float_leaves(inputs, split.inputs), split.chunk_weights)
             output["structure"] = outs[0]
             with tf.device(job.devices[-1]):
                 flat_outs = [tf.concat(parts, axis=0) for parts in zip(*[tf.nest.flatten(o) for o in outs])]
@@ -74,13 +74,13 @@ class Unrolled(Schedule, short_name="unrolled"):
             return flat_outs, lambda *upstream: _backward(job, records, sums, outs[0], split.inputs, upstream)
 
         flat_out = pipeline(*arguments.flat)
-        return tf.nest.pack_sequence_as(output["structure"], list(flat_out)), output.get("aux")
+        return tf.nest.pack_sequence_as(output["structure"], list(flat_out)), output["aux"]
 
 
-def _forward(job: PipelineJob, inputs: Any, weights: Sequence[Sequence[tf.Tensor]],
-             output: dict[str, Any]) -> tuple[list[list[StageForward]], list[Any]]:
+def _forward(job: PipelineJob, inputs: Any, weights: Sequence[Sequence[tf.Tensor]]
+             ) -> tuple[list[list[StageForward]], list[Any], dict[str, Any] | None]:
     """F(c, i) for every micro-batch i and chunk c, each under its chunk's device: (records[c][i], each
-    micro-batch's output); the summed aux statistics go to `output['aux']`."""
+    micro-batch's output, the summed aux statistics or None when none are collected)."""
     num_chunks, m = job.num_chunks, job.num_micro_batches
     with tf.device(job.devices[0]):
         micro = microbatch.split_list(inputs, m)
@@ -91,19 +91,18 @@ def _forward(job: PipelineJob, inputs: Any, weights: Sequence[Sequence[tf.Tensor
         h = micro[i]
         for c in range(num_chunks):
             with placement.on_stage(job.chunk_scopes[c]):
-                def fn(ws: Sequence[tf.Tensor], x: Any, c: int = c, ctx: Any = ctx) -> Any:
-                    return job.run_chunk(c, ws, x, ctx)
-                records[c].append(StageForward(fn, weights[c], h, c > 0 or job.input_gradient, job.plan.remat[c]))
+                records[c].append(StageForward(loop_parts.chunk_fn(job, c, ctx), weights[c], h,
+                                               c > 0 or job.input_gradient, job.plan.remat[c]))
                 h = records[c][i].outputs
         outs.append(h)
         if job.aux_spec:
             aux_parts.append(ctx.aux)
-    if job.aux_spec:
-        with tf.device(job.devices[-1]):
-            output["aux"] = {path: tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)),
-                                                         *[part[path] for part in aux_parts])
-                             for path in job.aux_spec}
-    return records, outs
+    if not job.aux_spec:
+        return records, outs, None
+    with tf.device(job.devices[-1]):
+        aux = {path: tf.nest.map_structure(lambda *xs: tf.add_n(list(xs)), *[part[path] for part in aux_parts])
+               for path in job.aux_spec}
+    return records, outs, aux
 
 
 def _backward(job: PipelineJob, records: list[list[StageForward]], gradient_sums: list[list[tf.Variable]],

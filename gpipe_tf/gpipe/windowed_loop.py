@@ -1,24 +1,25 @@
-"""The loop of the schedules whose loss runs inside the pipeline (1F1B, interleaved 1F1B): every micro-batch's
-forward, loss and backward in one while loop, ordered by the schedule's order data (`orders.ScheduleOrder`'s
-`in_flight` windows and `forward_waits`), a graph constant in M.
+"""The loop of the schedules whose loss runs inside the pipeline (1F1B, Interleaved, ZeroBubble, ZeroBubbleV): every
+micro-batch's forward, loss and backward in one while loop over the job's chunks (`orders.py` defines stage, chunk
+and lap), ordered by the schedule's order data (`orders.ScheduleOrder`'s `in_flight` windows and `forward_waits`),
+a graph constant in M.
 
 How, as one while loop:
 
-* Iteration i is micro-batch i's whole journey: the forward of every stage, the loss, the backward of every stage,
-  each stage's part under its device and name scope (``forward``, ``loss``, ``backward``), each stage's weight
-  gradients summed into loop variables on its device. A stage's stashes are tensors of one iteration, so
+* Iteration i is micro-batch i's whole journey: the forward of every chunk, the loss, the backward of every chunk,
+  each chunk's part under its device and name scope (``forward``, ``loss``, ``backward``), each chunk's weight
+  gradients summed into loop variables on its device. A chunk's stashes are tensors of one iteration, so
   TensorFlow frees them as soon as that iteration's backward has used them; no tape spans iterations.
-* A device runs the iterations' ops as their inputs arrive (`parallel_iterations` is M), so stage 0 starts
-  micro-batch i+1 while stage 1 runs micro-batch i, as in fill-drain; what orders forwards and backwards is the
-  order data, as rings of tokens, loop variables on the stage's device: with `in_flight[s]` = w, stage s has a
+* A device runs the iterations' ops as their inputs arrive (`parallel_iterations` is M), so chunk 0 starts
+  micro-batch i+1 while chunk 1 runs micro-batch i, as in fill-drain; what orders forwards and backwards is the
+  order data, as rings of tokens, loop variables on the chunk's device: with `in_flight[c]` = w, chunk c has a
   ring of w tokens and its forward of micro-batch i waits for the token its backward of micro-batch i - w
-  produced, so it never holds more than w micro-batches' stashes. A `forward_waits` entry (s, t, lag) is a ring
-  of `lag` tokens filled by stage t's forwards and read by stage s's: F(s, i) waits for F(t, i - lag).
+  produced, so it never holds more than w micro-batches' stashes. A `forward_waits` entry (c, t, lag) is a ring
+  of `lag` tokens filled by chunk t's forwards and read by chunk c's: F(c, i) waits for F(t, i - lag).
 * The While op, the loop's counter and its condition (its iteration count) sit on this process's CPU, as in
-  fill-drain (`fill_drain.py` says why); the counters that index micro-batches start on the stages that use them.
+  fill-drain (`fill_drain.py` says why); the counters that index micro-batches start on the chunks that use them.
 * The pipeline is one `tf.custom_gradient` op whose forward already computed the gradients (seeded with the
   loss's gradient seed, `PipelineLoss.gradient_seed`); its gradient function only rescales them by the caller's
-  upstream gradient, on each stage's device.
+  upstream gradient, on each chunk's device.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class Forward(NamedTuple):
     stashes: list[WeightStash | None]  # per chunk, its batched-W stash
     outputs: Any  # the last chunk's output
     context: FPropContext  # the micro-batch's context (seed, aux statistics)
-    index: tf.Tensor  # the micro-batch's index, on the first chunk
+    micro_batch: tf.Tensor  # the micro-batch's index, on the first chunk
 
 
 class WindowedLoop:
@@ -116,14 +117,13 @@ class WindowedLoop:
 
     def __init__(self, job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder) -> None:
         if order.num_chunks != job.num_chunks or order.in_flight is None:
-            raise ValueError(f"the {order.name} order has {order.num_chunks} stages and in_flight={order.in_flight}: "
+            raise ValueError(f"the {order.name} order has {order.num_chunks} chunks and in_flight={order.in_flight}: "
                              f"this loop needs one in-flight window per chunk of the job ({job.num_chunks})")
         if len({c for c, _, _ in order.forward_waits}) != len(order.forward_waits):
-            raise ValueError(f"the {order.name} order's forward_waits {order.forward_waits} give a stage two waits: "
-                             "this loop keeps one forward ring per stage")
+            raise ValueError(f"the {order.name} order's forward_waits {order.forward_waits} give a chunk two waits: "
+                             "this loop keeps one forward ring per chunk")
         self.job, self.loss, self.order = job, loss, order
         self.arguments = loop_parts.OpArguments.of(job, inputs, loss.head_weights)
-        self.num_aux = len(tf.nest.flatten(job.aux_spec))
         self.batched = order.batched_weights  # matmul weight gradients wait in the stash for the last backward
         self.stash_layout = batched_weights.StashLayout(
             job.devices, job.chunk_weights if self.batched else [[] for _ in range(job.num_chunks)])
@@ -136,7 +136,11 @@ class WindowedLoop:
         self.names = sorted(self.value_spec)
         if "loss" not in self.value_spec:
             raise ValueError(f"the pipeline's loss function returned {self.names}: it must return a 'loss' entry")
-        self.aux: dict[str, Any] = {}  # filled inside the custom gradient: the summed aux statistics
+        # Made inside the custom gradient: the loop's inputs (`prepare`) and the summed aux statistics (`finish`).
+        self.micro: Any = None
+        self.targets: Any = None
+        self.seed: tf.Tensor | None = None
+        self.aux_sums: dict[str, Any] | None = None
 
     def run(self) -> tuple[dict, dict[str, Any] | None]:
         """The loop as one `tf.custom_gradient` op: ({name: sum over the batch}, summed aux statistics or None)."""
@@ -150,7 +154,7 @@ class WindowedLoop:
             return list(final.values), lambda *upstream: self.gradients(final, grad_sums, split, upstream)
 
         flat_values = pipeline(*self.arguments.flat)
-        return dict(zip(self.names, flat_values)), self.aux.get("aux")
+        return dict(zip(self.names, flat_values)), self.aux_sums
 
     def prepare(self, xs: list[tf.Tensor]) -> None:
         """The loop's inputs: the micro-batches on the first chunk, the targets and the gradient seed on the last."""
@@ -199,7 +203,7 @@ class WindowedLoop:
         if not self.job.input_gradient:
             return state
         with placement.on_stage(self.job.chunk_scopes[0]):
-            arrays = tuple(a.write(forward.index, d) for a, d in zip(state.input_gradients, dx))
+            arrays = tuple(a.write(forward.micro_batch, d) for a, d in zip(state.input_gradients, dx))
         return state._replace(input_gradients=arrays)
 
     def forward(self, state: LoopState) -> tuple[LoopState, Forward]:
@@ -218,11 +222,8 @@ class WindowedLoop:
                 before += [state.weight_rings[c][0]] if self.order.weight_window else []
                 with tf.control_dependencies(before):
                     h = tf.nest.map_structure(tf.identity, h)
-
-                def fn(ws: Sequence[tf.Tensor], x: Any, c: int = c) -> Any:
-                    return job.run_chunk(c, ws, x, ctx)
-                records.append(StageForward(fn, state.weights[c], h, c > 0 or job.input_gradient, job.plan.remat[c],
-                                            stashes[c]))
+                records.append(StageForward(loop_parts.chunk_fn(job, c, ctx), state.weights[c], h,
+                                            c > 0 or job.input_gradient, job.plan.remat[c], stashes[c]))
                 h = records[-1].outputs
                 for j in self.fills.get(c, []):
                     forward_rings[j] = loop_parts.advance(state.forward_rings[j], float_leaves(h))
@@ -232,8 +233,8 @@ class WindowedLoop:
     def loss_step(self, state: LoopState, forward: Forward) -> tuple[LoopState, list[tf.Tensor]]:
         """The micro-batch's loss and its gradient on the last chunk: (the state with the loss's sums added, the
         gradient of the last chunk's output float leaves, seeded with the loss's gradient seed)."""
-        job, ctx = self.job, forward.context
-        stats = tf.nest.flatten({path: ctx.aux[path] for path in job.aux_spec}) if job.aux_spec else []
+        job = self.job
+        stats = loop_parts.aux_statistics(job, forward.context)
         with placement.on_stage(job.chunk_scopes[-1]):
             last_next = state.last + 1
             index_last = last_next - 1
@@ -271,8 +272,8 @@ class WindowedLoop:
                 # Split orders (B, then W): the next forwards wait for the input gradient (B) only, and for the
                 # weight gradients (W) of weight_window[c] micro-batches back through their own ring. A first
                 # chunk without an input gradient has no B: its token waits for W, as in 1F1B.
-                split = bool(self.order.weight_window) and bool(dx)
-                tokens[c] = loop_parts.advance(state.tokens[c], list(dx) if split else list(sums[c]) + list(dx))
+                b_then_w = bool(self.order.weight_window) and bool(dx)
+                tokens[c] = loop_parts.advance(state.tokens[c], list(dx) if b_then_w else list(sums[c]) + list(dx))
                 if self.order.weight_window:
                     weight_rings[c] = loop_parts.advance(state.weight_rings[c], sums[c])
                 dy = dx
@@ -285,7 +286,7 @@ class WindowedLoop:
         its device) where the order batches them; keeps the summed aux statistics for `run`."""
         job = self.job
         if job.aux_spec:
-            self.aux["aux"] = tf.nest.pack_sequence_as(job.aux_spec, list(final.aux_sums))
+            self.aux_sums = tf.nest.pack_sequence_as(job.aux_spec, list(final.aux_sums))
         if not self.batched:
             return final.grad_sums
         return [self.stash_layout.add_weight_gradients(c, final.kept[c], final.grad_sums[c], job.num_micro_batches)

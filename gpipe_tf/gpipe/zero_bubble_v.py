@@ -7,9 +7,9 @@ The model is cut into 2K chunks; device d runs chunk d on the way down and chunk
 the other with no transfer between them. Each chunk is half a fill-drain stage, so the fill and the drain are
 half as long, and the W cells fill what is left of them.
 
-The order is data (`orders.zero_bubble_v`: its V of chunk devices and ZB-H1's windows over 2K stages); the loop is
-1F1B's (`windowed_loop.run_training`), and the stage plan places the chunks as the order says. Outside training it runs
-fill-drain's forward loop.
+The order is data (`orders.zero_bubble_v`: its V of chunk devices and ZB-H1's windows over 2K chunks); the loop
+is 1F1B's (`windowed_loop.run_training`), and the stage plan places the chunks as the order says. Outside training
+it runs fill-drain's forward loop.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
         for r, devices in enumerate(pipe.replica_devices):
             for k, device in enumerate(devices):
                 holders.setdefault(device, []).append(f"replica {r} stage {k}" if num_replicas > 1 else str(k))
-        # The Interleaved schedule puts v pipeline stages on each device on purpose.
+        # The Interleaved and ZeroBubbleV schedules put v chunks on each device on purpose.
         per_device = pipe.plan.virtual_stages
         shared = {device: names for device, names in holders.items() if len(names) > per_device}
         if not shared:

@@ -52,14 +52,14 @@ def test_cells_count_runs_of_each_op_in_micro_batch_order():
         assert sum(c.phase == timeline.TRANSFER for c in cells) == m
 
 
-def test_interleaved_chunks_come_from_the_pipeline_stage():
+def test_interleaved_laps_come_from_the_chunk():
     plan = []
-    for stage in (1, 3):  # device 1 of K=2 runs chunks 1 and 3: laps 0 and 1
-        plan += [(f"while/gpipe4_stage{stage}/forward/MatMul", "MatMul", 0.01)] * 2
-        plan += [(f"while/gradient_tape/while/gpipe4_stage{stage}/forward/MatMul/MatMul", "MatMul", 0.01)] * 2
+    for chunk in (1, 3):  # device 1 of K=2 runs chunks 1 and 3: laps 0 and 1
+        plan += [(f"while/gpipe4_stage{chunk}/forward/MatMul", "MatMul", 0.01)] * 2
+        plan += [(f"while/gradient_tape/while/gpipe4_stage{chunk}/forward/MatMul/MatMul", "MatMul", 0.01)] * 2
     cells = measured_timeline.cells_of_step([[], _events(plan)], (0.0, 100.0), 2, _order("interleaved", 2))
     assert sorted((c.stage, c.lap, c.micro_batch, c.phase) for c in cells) == sorted(
-        (1, chunk, i, phase) for chunk in (0, 1) for i in (0, 1) for phase in "FB")
+        (1, lap, i, phase) for lap in (0, 1) for i in (0, 1) for phase in "FB")
 
 
 def test_an_op_run_neither_once_nor_m_times_is_an_error():

@@ -36,7 +36,8 @@ setup(
         "numpy>=1.26",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # pytest-xdist runs the suite in two worker processes (docs/contributing.md#the-test-command).
+        "test": ["pytest>=8", "pytest-xdist>=3.5,<4"],
         # Pinned exactly: a newer ruff adds rules and changes fixes, so an unchanged checkout could start failing
         # `ruff check .` in CI (docs/contributing.md#the-linter).
         "lint": ["ruff==0.17.6"],

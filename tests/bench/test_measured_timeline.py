@@ -80,6 +80,10 @@ def test_steps_are_split_at_pauses_and_cut_steps_dropped():
     assert measured_timeline.split_steps([worker0, worker1], 0.5) == [(1.0, 1.4)]
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/bench/test_measured_timeline.py::test_cells_count_runs_of_each_op_in_micro_batch_order",
+    "tests/bench/test_measured_timeline.py::test_saved_timelines_round_trip_and_old_files_are_refused",
+))
 def test_bench_timeline_writes_measured_beside_predicted(tmp_path):
     """The real thing on two worker processes and a small MLP: a timing-free check of what the files hold."""
     out = tmp_path / "timelines"

@@ -35,6 +35,9 @@ def test_decode_mode_writes_hypotheses_and_scalars(tmp_path):
     assert {"bleu", "exact_match", "exact_match/fr"} <= set(scalars)
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_decode.py::test_decode_mode_writes_hypotheses_and_scalars",
+))
 def test_trained_tiny_model_decodes_known_strings(tmp_path):
     """Train a small pipelined model on 30 numbers in English and French, then decode its training sentences."""
     import tensorflow as tf

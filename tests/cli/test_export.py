@@ -20,6 +20,7 @@ from gpipe_tf.errors import ConfigError
 from gpipe_tf.training import checkpoints, partial_dir
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.summaries import read_scalars
+from tests.helpers import tiers
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import file_size_limit, one_error_line
 
@@ -75,8 +76,9 @@ def reference_logits(checkpoint, inputs):
 
 # The pipelined classifier in each compute dtype, and the un-pipelined one in bfloat16 (which exported before, but
 # computed in float32: the weights it served were never cast).
-@pytest.mark.parametrize("model, dtype", [("BlobsMlpGPipe", "float32"), ("BlobsMlpGPipe", "bfloat16"),
-                                          ("BlobsMlpGPipe", "float16"), ("BlobsMlp", "bfloat16")])
+@pytest.mark.parametrize("model, dtype", tiers.sample(
+    [("BlobsMlpGPipe", "float32"), ("BlobsMlpGPipe", "bfloat16"), ("BlobsMlpGPipe", "float16"),
+     ("BlobsMlp", "bfloat16")], keep=[("BlobsMlpGPipe", "float16")]))
 def test_classifier_export_matches_the_trainers_eval(tmp_path, model, dtype):
     key, logdir = f"toy.classifier.{model}", str(tmp_path / "run")
     # train_and_eval: the trainer evaluates its final step 30 with the model (pipelined: K=2, M=4) in `dtype`.
@@ -152,6 +154,10 @@ TINY_MT = ["--gin_param=NumbersTiny.model_dim=32", "--gin_param=NumbersTiny.num_
            "--gin_param=NumbersTiny.hidden_dim=64", "--gin_param=NumbersTiny.batch_size=16"]
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_export.py::test_classifier_export_matches_the_trainers_eval",
+    "tests/cli/test_decode.py::test_decode_mode_writes_hypotheses_and_scalars",
+))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_translation_export_matches_greedy_decode(tmp_path, dtype):
     key, logdir = "mt.number_words.NumbersTiny", str(tmp_path / "run")
@@ -262,7 +268,8 @@ def test_export_into_a_read_only_directory_is_one_line_naming_it(run_copy, tmp_p
     assert not os.path.exists(target) and leftovers(read_only) == []
 
 
-@pytest.mark.parametrize("limit", [4000, 16384])  # fails at the 4 KiB probe / inside tf.saved_model.save
+# Fails at the 4 KiB probe / inside tf.saved_model.save.
+@pytest.mark.parametrize("limit", tiers.sample([4000, 16384], keep=[16384]))
 def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(run_copy, tmp_path, limit):
     target = str(tmp_path / "served")
     line = one_error_line(export_run(run_copy, f"--export_dir={target}", preexec_fn=file_size_limit(limit)),

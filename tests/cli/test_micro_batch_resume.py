@@ -62,6 +62,9 @@ def test_batch_norm_statistics_are_named_too(tmp_path):
     assert "dropout" not in warnings[0]
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_micro_batch_resume.py::test_changing_m_of_a_model_with_dropout_warns_in_one_line",
+))
 def test_a_trainer_resume_with_another_m_prints_the_warning_once(tmp_path):
     logdir = str(tmp_path / "run")
 

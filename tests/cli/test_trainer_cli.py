@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.paths import ROOT
+from tests.helpers.trainer_errors import assert_user_error
 from tests.helpers.trainer_runs import checkpoint_values
 
 KEY = "toy.classifier.BlobsMlp"
@@ -19,14 +20,6 @@ SLOW = ["--gin_param=BlobsMlp.hidden_dims=(256, 256)", "--gin_param=BlobsMlp.bat
 def trainer(*args, **kwargs):
     return subprocess.run([sys.executable, "trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, **kwargs)
-
-
-def assert_user_error(result, *fragments):
-    assert result.returncode == 2, result.stderr
-    error_lines = [line for line in result.stderr.splitlines() if line.startswith("trainer.py: error: ")]
-    assert len(error_lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in error_lines[0], error_lines[0]
 
 
 def test_list_models():

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.helpers.paths import ROOT
@@ -61,6 +62,9 @@ def test_nan_batch_stops_before_the_update_and_keeps_the_last_good_checkpoint(tm
     assert all(np.array_equal(good[n], after[n]) for n in good)
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_trainer_faults.py::test_skipped_steps_are_counted_and_a_run_of_only_skipped_steps_fails",
+))
 def test_nan_steps_can_be_skipped(tmp_path):
     logdir = str(tmp_path)
     assert trainer(f"--logdir={logdir}", "--max_steps=10", f"--params={EVERY_10}").returncode == 0
@@ -93,6 +97,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
     assert latest_step(logdir) == stopped_at  # every step up to the signal is saved
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_logdir_faults.py::test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_is_used",
+))
 def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     logdir = str(tmp_path)
     assert trainer(f"--logdir={logdir}", "--max_steps=20", f"--params={EVERY_10}").returncode == 0
@@ -106,6 +113,9 @@ def test_truncated_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert latest_step(logdir) == 25
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_logdir_faults.py::test_a_rerun_on_a_full_disk_is_one_error_and_loses_no_checkpoint",
+))
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path):
     logdir = str(tmp_path)
     assert trainer(f"--logdir={logdir}", "--max_steps=10", f"--params={EVERY_10}").returncode == 0

@@ -25,6 +25,10 @@ def test_every_experiment_resolves_and_inspects(key):
         assert abs(report["total_params"] - published) <= tolerance * published, report["total_params"]
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/layers/test_amoebanet_layers.py::test_gpipe_equals_sequential",
+    "tests/experiments/test_every_experiment.py::test_every_experiment_resolves_and_inspects",
+))
 def test_tiny_amoebanet_trains_a_few_pipelined_steps(tmp_path):
     from gpipe_tf.training import logdir as logdir_lib
     from gpipe_tf.training.controller import Controller

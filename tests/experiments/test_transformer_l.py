@@ -78,6 +78,10 @@ def test_paper_sizes_read_tfds_lm1b(lm1b, name):
     assert inp.vocab.decode(batch["labels"][0].numpy()).startswith("They counted")
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/inputs/test_language_model_input.py::test_lm1b_training_batches_are_bucketed_and_deterministic",
+    "tests/experiments/test_transformer_l.py::test_tiny_offline_variant_learns_the_numbers_language_model",
+))
 def test_transformer_l_trains_on_tfds_lm1b_through_the_trainer(lm1b, tmp_path):
     """Transformer-L's task and inputs, shrunk by knobs only, train and evaluate on lm1b with the real trainer."""
     data_dir, vocab_dir = lm1b

@@ -1,6 +1,7 @@
 """Issue 4: a pipelined (K=4, M=4) and an un-pipelined run of the same seed give the same loss curve."""
 
 import numpy as np
+import pytest
 
 from gpipe_tf import experiment
 from gpipe_tf.training import logdir as logdir_lib
@@ -24,6 +25,9 @@ def curve(tmp_path, name, k, m):
     return np.array([v for _, v in read_scalars(f"{logdir}/train")["loss"]])
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/tasks/test_translation_task.py::test_pipelined_equals_unpipelined_loss_and_gradients",
+))
 def test_pipelined_and_unpipelined_loss_curves_match(tmp_path):
     plain, pipelined = curve(tmp_path, "plain", 1, 1), curve(tmp_path, "pipelined", 4, 4)
     assert len(plain) == len(pipelined) == 20

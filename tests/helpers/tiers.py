@@ -70,9 +70,19 @@ def grid(corners: Sequence[str] = (), **axes: Sequence[Any]) -> list[Any]:
             for case in itertools.product(*axes.values())]
 
 
-def sample(cases: Sequence[tuple], keep: Sequence[tuple]) -> list[Any]:
-    """Hand-listed `cases` as `pytest.param`s, those not in `keep` marked `exhaustive`."""
+def sample(cases: Sequence[Any], keep: Sequence[Any], ids: Sequence[str] | None = None, *,
+           single: bool = False) -> list[Any]:
+    """Hand-listed `cases` (tuples for several arguments, else single values; with `single`, every case is one
+    argument, tuples too) as `pytest.param`s, those not in `keep` marked `exhaustive`: a fault or a dtype tried in
+    several variants keeps its `keep` ones by default."""
     unknown = [case for case in keep if case not in cases]
     if unknown:
         raise ValueError(f"kept cases {unknown} are not among the cases {list(cases)}")
-    return [pytest.param(*case, id=_id(case), marks=() if case in keep else EXHAUSTIVE) for case in cases]
+    if ids is not None and len(ids) != len(cases):
+        raise ValueError(f"{len(ids)} ids for {len(cases)} cases: give one id per case")
+    params = []
+    for j, case in enumerate(cases):
+        values = case if isinstance(case, tuple) and not single else (case,)
+        name = ids[j] if ids is not None else _id(values)
+        params.append(pytest.param(*values, id=name, marks=() if case in keep else EXHAUSTIVE))
+    return params

@@ -23,6 +23,15 @@ def one_error_line(result: subprocess.CompletedProcess, code: int = 2, only: boo
     return errors[0]
 
 
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """`result` exited with 2 and printed one `trainer.py: error:` line that holds every fragment."""
+    assert result.returncode == 2, result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("trainer.py: error: ")]
+    assert len(error_lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in error_lines[0], error_lines[0]
+
+
 def file_size_limit(limit: int) -> Callable[[], None]:
     """A `preexec_fn` that makes every write of the child past `limit` bytes fail with EFBIG, as on a full disk
     (SIGXFSZ ignored, so the write fails instead of killing the process)."""

@@ -22,6 +22,9 @@ def _job(model, gin, overrides):
     return {"model": model, "gin": list(gin), "overrides": overrides}
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_inspect.py::test_device_memory_plan_and_suggestion",
+))
 def test_applying_the_suggestion_fits_the_measured_peak():
     measured = memory_check.measure_in_fresh_process([_job(*case) for case in CASES])
     budgets = [int(SHARE * max(s["measured"] for s in stages)) for stages in measured]

@@ -18,6 +18,7 @@ from gpipe_tf.tasks.classifier import ClassifierTask
 from gpipe_tf.training import replicas
 from gpipe_tf.training.learner import Learner
 from gpipe_tf.training.replicas import replica_home_devices
+from tests.helpers import tiers
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_runs import checkpoint_values
 
@@ -67,9 +68,10 @@ def test_two_replicas_of_two_stages_equal_one_unpipelined_model():
         assert relative(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("schedule", ["one_f_one_b", "interleaved", "zero_bubble_v",
-                                      pytest.param(("zero_bubble", True), id="zero_bubble+batched_w"),
-                                      pytest.param(("fill_drain", True), id="fill_drain+batched_w")])
+@pytest.mark.parametrize("schedule", tiers.sample(
+    ["one_f_one_b", "interleaved", "zero_bubble_v", ("zero_bubble", True), ("fill_drain", True)],
+    keep=["interleaved", ("fill_drain", True)],
+    ids=["one_f_one_b", "interleaved", "zero_bubble_v", "zero_bubble+batched_w", "fill_drain+batched_w"], single=True))
 def test_two_replicas_of_a_loss_in_pipeline_schedule_equal_one_unpipelined_model(schedule):
     if isinstance(schedule, tuple):  # with batched weight gradients
         schedule = SCHEDULES[schedule[0]].params().set(batch_weight_gradients=schedule[1])
@@ -206,6 +208,10 @@ def two_workers(logdir, max_steps):
                 p.kill()
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/pipeline/test_data_parallel.py::test_two_replicas_of_two_stages_equal_one_unpipelined_model",
+    "tests/pipeline/test_workers.py::test_two_worker_processes_compute_the_same_gradients",
+))
 def test_two_worker_processes_equal_one_process_with_two_replicas(tmp_path):
     """Two trainer processes (MultiWorkerMirroredStrategy over gRPC), each a K=2 pipeline on its own two
     logical CPUs, sharing a logdir, stopped after 3 steps and resumed to 5: the same as one process with
@@ -260,6 +266,9 @@ def test_tpu_device_assignment_uses_the_replica_stage_mapping():
         replicas.tpu_device_assignment(topology, num_replicas=3, num_stages=2)
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/pipeline/test_workers.py::test_two_worker_processes_compute_the_same_gradients",
+))
 def test_stages_on_local_worker_processes_match_logical_devices(tmp_path):
     """--local_stage_workers=2: stage k runs in TF server process k (gRPC transfers), same result."""
     finish(trainer(f"--logdir={tmp_path / 'local'}", "--max_steps=3"))
@@ -273,6 +282,9 @@ def test_stages_on_local_worker_processes_match_logical_devices(tmp_path):
         np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_training_failures.py::test_sigterm_saves_a_checkpoint_and_exits_zero",
+))
 def test_a_signal_to_one_worker_stops_both_at_the_same_step_with_a_checkpoint(tmp_path):
     hosts = ",".join(f"127.0.0.1:{port}" for port in workers.free_ports(2))
     procs = [trainer(f"--logdir={tmp_path}", "--logical_devices=2", f"--worker_hosts={hosts}", f"--task_index={i}",
@@ -295,6 +307,10 @@ def test_a_signal_to_one_worker_stops_both_at_the_same_step_with_a_checkpoint(tm
     assert os.path.exists(tmp_path / "checkpoints" / f"ckpt-{step}.index")
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/pipeline/test_data_parallel.py::test_two_replicas_of_two_stages_equal_one_unpipelined_model",
+    "tests/pipeline/test_pipeline.py::test_checkpoints_do_not_depend_on_k_or_schedule",
+))
 def test_a_single_replica_checkpoint_resumes_with_two_replicas(tmp_path):
     no_dropout = "--gin_param=BlobsMlpGPipe.dropout_rate=0.0"
     finish(trainer(f"--logdir={tmp_path / 'ref'}", no_dropout, "--max_steps=5"))

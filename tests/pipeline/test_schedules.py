@@ -14,68 +14,18 @@ from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.schedule_base import PipelineLoss
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
-from gpipe_tf.layers.sequential import Sequential
 from tests.helpers import tiers
+from tests.helpers.loss_in_pipeline import (
+    DEPTH,
+    INTERLEAVED,
+    assert_same,
+    build,
+    data,
+    head_fn,
+    loss_and_grads,
+    schedule_params,
+)
 from tests.helpers.pipeline_models import BATCH, DEVICES, conv_layers, count_ops, mlp_layers, placed_ops
-
-DEPTH = 12  # Interleaved v=3 at K=4 needs 12 chunks
-
-
-def schedule_params(name, v=None):
-    if name == "interleaved":
-        return Interleaved.params().set(virtual_stages=v)
-    return name
-
-
-def build(layers, dtype, k=None, m=1, remat="never", schedule="fill_drain"):
-    if k is None:
-        return Sequential.params().set(name="net", dtype=dtype, layers=layers).instantiate()
-    return GPipe.params().set(name="net", dtype=dtype, layers=layers, num_stages=k, num_micro_batches=m, remat=remat,
-                              devices=DEVICES[:k], schedule=schedule).instantiate()
-
-
-def head_fn(head, out, targets, ctx):
-    """A weighted squared error of a projection of every output leaf: sums, as PipelineLoss asks."""
-    y = tf.add_n([tf.reduce_sum(tf.reshape(t, [t.shape[0], -1]) * head[0][:int(np.prod(t.shape[1:]))], -1)
-                  for t in tf.nest.flatten(out)])
-    return {"loss": tf.reduce_sum(targets["w"] * (y - targets["y"]) ** 2), "count": tf.reduce_sum(targets["w"])}
-
-
-def loss_and_grads(layer, x, targets, head, seed=None):
-    """The mean loss and gradients (layer variables, then the head) of one training step."""
-    @tf.function
-    def step(x):
-        ctx = FPropContext(training=True, seed=seed)
-        with tf.GradientTape() as tape:
-            if isinstance(layer, GPipe):
-                normalizer = tf.reduce_sum(targets["w"])
-                loss = PipelineLoss(head_fn, (head,), targets, tf.cast(1.0 / normalizer, tf.float32))
-                sums = layer.fprop_with_loss(layer.theta, x, loss, ctx)
-            else:
-                sums = head_fn([head], layer.fprop(layer.theta, x, ctx), targets, ctx)
-            mean = sums["loss"] / sums["count"]
-        with placement.colocate_gradients():
-            grads = tape.gradient(mean, list(layer.trainable_variables) + [head])
-        return mean, grads
-
-    mean, grads = step(x)
-    return float(mean), [g.numpy() for g in grads]
-
-
-def assert_same(got, ref, rtol, atol):
-    np.testing.assert_allclose(got[0], ref[0], rtol=rtol, atol=atol)
-    assert len(got[1]) == len(ref[1])
-    for i, (a, b) in enumerate(zip(got[1], ref[1])):
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=f"gradient {i}")
-
-
-def data(dtype, size=6, seed=1):
-    rng = np.random.default_rng(seed)
-    x = tf.constant(rng.normal(size=(BATCH, size)).astype(dtype))
-    targets = {"y": tf.constant(rng.normal(size=(BATCH,)).astype(dtype)),
-               "w": tf.constant(rng.uniform(size=(BATCH,)).astype(dtype))}
-    head = tf.Variable(rng.normal(size=(size,)).astype(dtype))
-    return x, targets, head
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +44,13 @@ def test_mlp_float64_loss_in_pipeline_equals_unpipelined(reference, k, m, remat,
     assert_same(got, ref, rtol=1e-10, atol=1e-12)
 
 
-# M in {1, 2, 4, 8} that K divides (K=3 divides none of them: 3 and 6 instead).
-INTERLEAVED = [(k, m) for k in (1, 2, 4) for m in (1, 2, 4, 8) if m % k == 0] + [(3, 3), (3, 6)]
 
 
-@pytest.mark.parametrize("v,remat,km", tiers.grid(corners=("v", "remat"), v=[2, 3], remat=["never", "always"],
-                                                   km=INTERLEAVED))
+# Default tier: both remat policies at K=1 and K=4, both v, and K=3's odd multiple.
+@pytest.mark.parametrize("v,remat,km", tiers.sample(
+    [(v, remat, km) for v in (2, 3) for remat in ("never", "always") for km in INTERLEAVED],
+    keep=[(2, "never", (1, 1)), (3, "always", (1, 8)), (3, "never", (4, 4)), (2, "always", (4, 8)),
+          (2, "never", (3, 3))]))
 def test_mlp_float64_interleaved_equals_unpipelined(reference, km, remat, v):
     x, targets, head, ref = reference
     k, m = km
@@ -109,9 +60,13 @@ def test_mlp_float64_interleaved_equals_unpipelined(reference, km, remat, v):
     assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("fill_drain", None),
-                                        ("zero_bubble", None), ("zero_bubble_v", None)])
-@pytest.mark.parametrize("k,m,remat", [(2, 4, "never"), (4, 8, "always"), (2, 8, "always")])
+@pytest.mark.parametrize("schedule,v,k,m,remat", tiers.sample(
+    [(schedule, v, k, m, remat) for schedule, v in [("one_f_one_b", None), ("interleaved", 2), ("fill_drain", None),
+                                                   ("zero_bubble", None), ("zero_bubble_v", None)]
+     for k, m, remat in [(2, 4, "never"), (4, 8, "always"), (2, 8, "always")]],
+    keep=[("one_f_one_b", None, 2, 4, "never"), ("interleaved", 2, 4, 8, "always"),
+          ("fill_drain", None, 2, 8, "always"), ("zero_bubble", None, 4, 8, "always"),
+          ("zero_bubble_v", None, 2, 4, "never")]))
 def test_mlp_float32_equals_unpipelined(k, m, remat, schedule, v):
     x, targets, head = data("float32", seed=2)
     ref = loss_and_grads(build(mlp_layers("float32", depth=DEPTH), "float32"), x, targets, head)
@@ -120,9 +75,12 @@ def test_mlp_float32_equals_unpipelined(k, m, remat, schedule, v):
     assert_same(got, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule,v", [("one_f_one_b", None), ("interleaved", 2), ("zero_bubble", None),
-                                        ("zero_bubble_v", None)])
-@pytest.mark.parametrize("k,m,remat", [(1, 1, "never"), (2, 4, "always"), (2, 2, "never"), (3, 3, "always")])
+@pytest.mark.parametrize("schedule,v,k,m,remat", tiers.sample(
+    [(schedule, v, k, m, remat) for schedule, v in [("one_f_one_b", None), ("interleaved", 2), ("zero_bubble", None),
+                                                   ("zero_bubble_v", None)]
+     for k, m, remat in [(1, 1, "never"), (2, 4, "always"), (2, 2, "never"), (3, 3, "always")]],
+    keep=[("one_f_one_b", None, 3, 3, "always"), ("interleaved", 2, 2, 4, "always"),
+          ("zero_bubble", None, 1, 1, "never"), ("zero_bubble_v", None, 2, 2, "never")]))
 def test_conv_pair_stack_changes_shape_and_equals_unpipelined(k, m, remat, schedule, v):
     if schedule in ("interleaved", "zero_bubble_v") and 2 * k > 5:
         k = 2  # the stack has 5 layers: at most 2 devices of 2 chunks

@@ -42,6 +42,25 @@ def test_a_one_axis_grid_keeps_every_value_unless_it_is_a_corner():
     assert tiers.default_cases(dict(k=[1, 2, 3]), corners=("k",)) == [(1,), (3,)]
 
 
+class _Item:
+    """What `conftest._in_tier` reads of a collected test: its closest `exhaustive` mark."""
+
+    def __init__(self, exhaustive):
+        self.mark = pytest.mark.exhaustive.mark if exhaustive else None
+
+    def get_closest_marker(self, name):
+        return self.mark if name == "exhaustive" else None
+
+
+def test_each_test_is_in_exactly_one_of_the_default_and_exhaustive_tiers_and_all_holds_both():
+    from tests.conftest import TIERS, _in_tier
+
+    assert set(TIERS) == {"default", "exhaustive", "all"}
+    for exhaustive in (False, True):
+        item = _Item(exhaustive)
+        assert [_in_tier(item, tier) for tier in ("default", "exhaustive", "all")] == [not exhaustive, exhaustive, True]
+
+
 def _collected(tier):
     result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", f"--tier={tier}",
                              "tests/pipeline/test_batched_weights.py"], cwd=ROOT, capture_output=True, text=True,
@@ -50,15 +69,59 @@ def _collected(tier):
     return {line for line in result.stdout.splitlines() if "::" in line}
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/suite/test_tiers.py::test_each_test_is_in_exactly_one_of_the_default_and_exhaustive_tiers_and_all_holds_both",
+    "tests/suite/test_tiers.py::test_grid_marks_what_the_default_sample_leaves_out",
+))
 def test_the_default_and_exhaustive_tiers_split_the_tests_between_them():
     default, exhaustive, every = _collected("default"), _collected("exhaustive"), _collected("all")
     assert default and exhaustive and not default & exhaustive
     assert default | exhaustive == every
-    assert all("equals_unpipelined" in name for name in exhaustive)
+    assert all("[" in name for name in exhaustive)  # only cases of grids leave this module's default tier
 
 
 def test_ci_runs_the_exhaustive_tier_and_the_linter():
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         lines = [line.strip() for line in f if not line.lstrip().startswith("#")]
-    assert ".venv/bin/python -m pytest -q --tier=exhaustive" in lines
+    assert ".venv/bin/python -m pytest -q -n 2 --tier=exhaustive" in lines
     assert any(line.endswith(".venv/bin/ruff check .") for line in lines)
+
+
+def _whole_test_marks():
+    """{(file, test name): covered_by} of every test function marked `exhaustive` as a whole, read from the source:
+    `@pytest.mark.exhaustive(covered_by=(...))` (None where the mark names nothing)."""
+    import ast
+    import glob
+
+    found = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for deco in node.decorator_list:
+                target = deco.func if isinstance(deco, ast.Call) else deco
+                if ast.unparse(target) == "pytest.mark.exhaustive":
+                    keywords = {k.arg: k.value for k in getattr(deco, "keywords", [])}
+                    covered = ast.literal_eval(keywords["covered_by"]) if "covered_by" in keywords else None
+                    found[(os.path.relpath(path, ROOT), node.name)] = covered
+    return found
+
+
+def test_a_test_moved_whole_to_the_exhaustive_tier_names_default_tests_that_cover_its_behaviour():
+    marks = _whole_test_marks()
+    assert marks, "no test is marked exhaustive as a whole: the check below would check nothing"
+    problems = []
+    for (path, name), covered in marks.items():
+        if not covered:
+            problems.append(f"{path}::{name}: give covered_by=(...), the default-tier tests of its behaviour")
+            continue
+        for node in covered:
+            file, _, test = node.partition("::")
+            source = os.path.join(ROOT, file)
+            if not os.path.exists(source) or f"\ndef {test}(" not in open(source, encoding="utf-8").read():
+                problems.append(f"{path}::{name}: covered_by names {node}, which does not exist")
+            elif (file, test) in marks:
+                problems.append(f"{path}::{name}: covered_by names {node}, itself in the exhaustive tier")
+    assert not problems, "\n".join(problems)

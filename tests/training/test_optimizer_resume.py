@@ -24,6 +24,10 @@ def run(setup, logdir, max_steps, kill_after=None):
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_trainer_cli.py::test_resume_after_sigkill_is_exact",
+    "tests/training/test_weight_ema.py::test_averaging_turned_on_when_resuming_starts_from_the_resumed_run",
+))
 @pytest.mark.parametrize("setup,slot_prefix", [("adamw", "optimizer/slots/"), ("adafactor", "optimizer/slots/"),
                                                ("adam_ema", "ema/averages/")])
 def test_checkpoint_kill_restart_equals_one_uninterrupted_run(tmp_path, setup, slot_prefix):

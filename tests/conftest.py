@@ -75,3 +75,21 @@ def pytest_collection_modifyitems(config, items):
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if not _in_tier(item, tier)])
         items[:] = kept
+    _heaviest_files_first(items)
+
+
+# Rough costs in seconds: a test that starts a process (a TensorFlow import, a trace, a few steps) and an in-process
+# test (most trace a small graph; many only check Params or arithmetic).
+_PROCESS_COST, _IN_PROCESS_COST = 15.0, 0.25
+
+
+def _heaviest_files_first(items) -> None:
+    """Orders the files by their estimated cost, heaviest first, each file's tests in their own order: xdist hands
+    each worker whole files in this order (`--dist loadfile`), so the last files, which one worker may run while the
+    other waits, are cheap ones."""
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[item.fspath.strpath] = cost.get(item.fspath.strpath, 0.0) + (
+            _PROCESS_COST if item.get_closest_marker("slow") else _IN_PROCESS_COST)
+    position = {path: rank for rank, path in enumerate(sorted(cost, key=lambda path: -cost[path]))}
+    items.sort(key=lambda item: position[item.fspath.strpath])

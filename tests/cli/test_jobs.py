@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import tensorflow as tf
 
 from gpipe_tf.training.summaries import read_scalars
@@ -53,6 +54,9 @@ def test_train_and_eval_eval_once_quiet_and_profile(tmp_path):
     assert once.returncode == 0 and "eval dev at step 20" in once.stdout
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_progress.py::test_inspect_progress_goes_to_stderr_and_json_stays_parseable",
+))
 def test_inspect_from_params_alone_prints_json():
     result = run("--mode=inspect", "--json")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -193,6 +193,10 @@ def test_a_second_trainer_on_a_logdir_is_refused_and_a_killed_one_leaves_no_lock
     assert result.returncode == 0 and f"resumed from {ckpt(run_copy, 30)}" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_logdir_faults.py::test_user_errors_are_one_line_with_exit_2_and_write_nothing",
+    "tests/cli/test_trainer_cli.py::test_logdir_of_another_model_is_refused_and_left_intact",
+))
 def test_a_rejected_config_leaves_the_logdir_as_it_was_and_the_corrected_command_runs(tmp_path):
     logdir = str(tmp_path / "gpipe")
     gpipe = "toy.classifier.BlobsMlpGPipe"

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from gpipe_tf import experiment
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training import progress
@@ -106,6 +108,10 @@ def trainer(*args):
                           timeout=300)
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_progress.py::test_eta_excludes_the_compiling_first_step_and_checkpoints_and_done_are_reported",
+    "tests/cli/test_progress.py::test_quiet_prints_nothing_for_a_clean_run",
+))
 def test_trainer_prints_compile_checkpoint_and_done_lines_and_quiet_silences_them(tmp_path):
     result = trainer(f"--model={KEY}", f"--logdir={tmp_path / 'loud'}", "--max_steps=20",
                      "--params=train.save_interval_steps=10,train.log_interval_steps=10")

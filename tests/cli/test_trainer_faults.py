@@ -205,6 +205,9 @@ def test_the_readme_seed_example_changes_init_data_and_dropout_and_reproduces():
     assert run_seed._TASK_DEFAULT_SEED == base_layer.DEFAULT_SEED
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_trainer_faults.py::test_the_readme_seed_example_changes_init_data_and_dropout_and_reproduces",
+))
 def test_runs_with_the_same_seed_match_and_another_seed_differs_even_without_dropout(tmp_path):
     def loss(name, seed):
         result = trainer(f"--logdir={tmp_path / name}", "--max_steps=5", f"--params=train.seed={seed}",

@@ -57,6 +57,11 @@ def user_package(tmp_path):
         run(sys.executable, "-m", "pip", "uninstall", "-q", "-y", "userexp", cwd=tmp_path)
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/docs/test_readme_experiment.py::test_list_models_with_module_lists_the_readme_experiment",
+    "tests/docs/test_readme_experiment.py::test_readme_experiment_trains_and_evaluates",
+    "tests/cli/test_discoverability.py::test_console_script_help_lists_the_trainer_flags",
+))
 def test_gpipe_trainer_lists_and_trains_an_experiment_of_a_user_package(user_package):
     script = os.path.join(os.path.dirname(sys.executable), "gpipe-trainer")
     key = "userexp.experiments.mine.NarrowMlp"

@@ -114,6 +114,10 @@ def test_hparams_name_the_schedule_that_runs_once():
     assert [name for name in values if "schedule" in name] == ["pipeline.schedule"]
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/pipeline/test_schedule_selection.py::test_hparams_name_the_schedule_that_runs_once",
+    "tests/pipeline/test_schedule_selection.py::test_every_schedule_is_settable_by_every_override_form",
+))
 def test_a_trainer_run_shows_the_schedule_that_ran_in_hparams_params_txt_and_console(tmp_path):
     logdir = str(tmp_path / "run")
     result = subprocess.run(

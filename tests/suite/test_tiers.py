@@ -125,3 +125,25 @@ def test_a_test_moved_whole_to_the_exhaustive_tier_names_default_tests_that_cove
             elif (file, test) in marks:
                 problems.append(f"{path}::{name}: covered_by names {node}, itself in the exhaustive tier")
     assert not problems, "\n".join(problems)
+
+
+class _FileItem(_Item):
+    """A collected test of file `path`, starting a process or not (its `slow` mark)."""
+
+    def __init__(self, path, slow):
+        super().__init__(False)
+        self.fspath = type("Path", (), {"strpath": path})()
+        self.slow = slow
+
+    def get_closest_marker(self, name):
+        return pytest.mark.slow.mark if name == "slow" and self.slow else None
+
+
+def test_files_are_ordered_heaviest_first_keeping_each_files_order():
+    from tests.conftest import _heaviest_files_first
+
+    items = [_FileItem("a.py", False), _FileItem("a.py", False), _FileItem("b.py", True), _FileItem("c.py", False),
+             _FileItem("b.py", False)]
+    expected = [items[2], items[4], items[0], items[1], items[3]]
+    _heaviest_files_first(items)
+    assert items == expected

@@ -80,7 +80,7 @@ def test_pipelined_equals_unpipelined_loss_and_gradients(share):
 @pytest.mark.parametrize("schedule,k,m", tiers.sample(
     [("one_f_one_b", 2, 2), ("one_f_one_b", 2, 4), ("interleaved", 2, 2), ("zero_bubble", 2, 4),
      ("zero_bubble_v", 2, 4), ("zero_bubble_v+batched_w", 2, 4), ("fill_drain+batched_w", 2, 4)],
-    keep=[("one_f_one_b", 2, 2), ("interleaved", 2, 2), ("zero_bubble_v+batched_w", 2, 4)]))
+    keep=[("interleaved", 2, 2), ("zero_bubble_v+batched_w", 2, 4)]))
 def test_loss_in_the_pipeline_per_micro_batch_equals_unpipelined(schedule, k, m):
     """Padding weights combine per micro-batch exactly as in the full-batch loss (the micro-batches here hold
     different numbers of real tokens), the metric too; with batched weight gradients (the attention and FFN

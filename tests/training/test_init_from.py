@@ -120,6 +120,10 @@ def test_missing_source_is_refused_before_the_logdir_is_touched(tmp_path):
     assert not os.path.exists(tmp_path / "new")
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_trainer_faults.py::test_another_models_checkpoint_is_refused_in_one_line_either_way",
+    "tests/cli/test_logdir_faults.py::test_eval_once_skips_a_damaged_newest_checkpoint",
+))
 def test_eval_of_a_chosen_checkpoint_and_clear_errors(source, tmp_path):
     logdir = str(tmp_path / "run")
     assert trainer(f"--logdir={logdir}", "--max_steps=20", "--quiet",

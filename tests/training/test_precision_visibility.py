@@ -35,6 +35,9 @@ def test_the_learner_names_its_weight_and_compute_dtypes_and_loss_scaling(overri
     assert {name: values[f"precision.{name}"] for name in expected} == expected
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/training/test_precision_visibility.py::test_the_learner_names_its_weight_and_compute_dtypes_and_loss_scaling",
+))
 def test_a_float16_trainer_run_prints_its_precision_and_writes_it_to_hparams(tmp_path):
     logdir = str(tmp_path / "run")
     result = subprocess.run(

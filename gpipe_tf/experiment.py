@@ -156,19 +156,22 @@ def _knob_binder(cls: type) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """A resolved experiment: its frozen Params, gin's operative config text and the knob values it used."""
+    """A resolved experiment: its frozen Params, gin's operative config text, the knob values it used, and one
+    line per override that replaced a class and so reset fields set before it (for the console)."""
 
     params: Params
     operative_config: str
     knobs: dict[str, Any]
+    notes: tuple[str, ...] = ()
 
 
 def resolve(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
             overrides: str = "") -> Resolved:
     """Builds the frozen Params tree of registered `model` with gin and dotted overrides applied.
 
-    Also returns the operative gin config (every knob with the value used) and the knob values themselves.
-    Errors are ConfigError/ParamsError with one-line messages.
+    Also returns the operative gin config (every knob with the value used), the knob values themselves and the
+    notes of overrides that replaced a class (`Params.override`). Errors are ConfigError/ParamsError with one-line
+    messages.
     """
     cls = model_registry.get(model)
     for path in gin_files:
@@ -185,11 +188,13 @@ def resolve(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[st
     experiment = cls(**binder())
     params = experiment.model_params()
     pairs = parse_overrides(overrides)
+    notes: list[str] = []
     for key, text in pairs:
-        params.override(key, text)
+        params.override(key, text, notes)
     run_seed.apply(params, [key for key, _ in pairs])
     knobs = {name: getattr(experiment, name) for name in sorted(cls.knobs())}
-    return Resolved(params=params.freeze(), operative_config=gin.operative_config_str(), knobs=knobs)
+    return Resolved(params=params.freeze(), operative_config=gin.operative_config_str(), knobs=knobs,
+                    notes=tuple(f"note: --params {note}" for note in notes))
 
 
 def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),

@@ -639,15 +639,23 @@ class Params:
         self._apply_text(entries, {})
         return self
 
-    def override(self, dotted: str, text_value: str) -> Params:
-        """Sets an existing field from command-line text, type-checked against its current value; returns self."""
+    def override(self, dotted: str, text_value: str, notes: list[str] | None = None) -> Params:
+        """Sets an existing field from command-line text, type-checked against its current value; returns self.
+
+        Naming a class (`X=path`, `X.cls=path` or a short name such as `schedule=interleaved`) keeps the node as
+        it is when it already has that class; another class replaces it by that class's default Params, and one
+        line naming the fields so reset (those that differed from the old class's defaults) is appended to `notes`.
+        """
         parent, name, prefix = self._locate(dotted)
         key, text, current = prefix + name, text_value.strip(), parent._values[name]
         parent._check_mutable(key)
         if isinstance(current, InstantiableParams):
             # A class path or a name the current class knows: the node becomes that class's default Params, whose
             # fields the same override string may set after it.
-            parent._values[name] = _replacement_node(current, text, key)
+            replacement = _replacement_node(current, text, key)
+            if replacement is not None:
+                _note_reset(notes, f"{key}={text}", current, replacement)
+                parent._values[name] = replacement
             return self
         if isinstance(current, Params):
             raise ParamsError(f"{key}: cannot set {text!r} (it is a nested {type(current).__name__}; "
@@ -675,6 +683,7 @@ class Params:
             if defaults is not None:
                 # Another class's fields are not this one's: keeping FillDrain's fields under Interleaved would
                 # refuse 'virtual_stages' and keep 'parallel_iterations' it does not honour.
+                _note_reset(notes, f"{key}={text}", parent, defaults)
                 parent._values, parent._docs = defaults._values, defaults._docs
                 return self
         parent._values[name] = value
@@ -689,9 +698,34 @@ def _default_params(cls: Any) -> InstantiableParams | None:
     return defaults if isinstance(defaults, InstantiableParams) and defaults.cls is cls else None
 
 
-def _replacement_node(current: InstantiableParams, text: str, key: str) -> InstantiableParams:
+def _class_name(cls: Any) -> str:
+    return getattr(cls, "__name__", repr(cls))
+
+
+def _set_fields(node: InstantiableParams) -> list[str]:
+    """`field=value` of each field of `node` (nested ones by dotted path) whose value is not the default that
+    `node.cls.params()` gives; every field when the class gives no defaults."""
+    defaults = _default_params(node.cls)
+    base = defaults._flatten(with_nodes=True) if defaults is not None else {}
+    return [f"{path}={_format(value, path, strict=False)}" for path, value in node._flatten(with_nodes=True).items()
+            if path != "cls" and not isinstance(value, _Node) and not (path in base and _same(value, base[path]))]
+
+
+def _note_reset(notes: list[str] | None, override: str, old: InstantiableParams, new: InstantiableParams) -> None:
+    """Appends to `notes` the line saying which settings of `old` the override replacing it by `new` drops."""
+    dropped = _set_fields(old)
+    if notes is None or not dropped:
+        return
+    old_name, new_name = _class_name(old.cls), _class_name(new.cls)
+    notes.append(f"{override} replaces {old_name} by {new_name} at its defaults, so what was set on {old_name} is "
+                 f"reset: {', '.join(dropped)} (set {new_name}'s fields after the class in --params)")
+
+
+def _replacement_node(current: InstantiableParams, text: str, key: str) -> InstantiableParams | None:
     """The node an override `key=text` puts in place of `current`: a class path gives that class's default
-    Params; another word is looked up by `current.cls.named_params(word)` (e.g. a schedule's short name)."""
+    Params; another word is looked up by `current.cls.named_params(word)` (e.g. a schedule's short name).
+    None when the class named is the one `current` has: its fields stay as the experiment and the overrides
+    before set them."""
     word = text.strip()
     if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"":
         word = word[1:-1]
@@ -700,6 +734,8 @@ def _replacement_node(current: InstantiableParams, text: str, key: str) -> Insta
             cls = _resolve_dotted(word)
         except ParamsError as e:
             raise ParamsError(f"{key}={text}: {e}") from None
+        if cls is current.cls:
+            return None
         defaults = _default_params(cls)
         if defaults is None:
             raise ParamsError(f"{key}={text}: {word} has no params() classmethod giving its default Params; "
@@ -708,12 +744,13 @@ def _replacement_node(current: InstantiableParams, text: str, key: str) -> Insta
     by_name = getattr(current.cls, "named_params", None)
     if not word.isidentifier() or by_name is None:
         raise ParamsError(f"{key}: cannot set {text!r} (it is a nested {type(current).__name__} of "
-                          f"{getattr(current.cls, '__name__', current.cls)}; give a class path, e.g. "
+                          f"{_class_name(current.cls)}; give a class path, e.g. "
                           f"{key}=some.module.SomeClass, or override its fields, e.g. {key}.<field>=...)")
     try:
-        return by_name(word)
+        named = by_name(word)
     except ParamsError as e:
         raise ParamsError(f"{key}={text}: {e}") from None
+    return None if named.cls is current.cls else named
 
 
 class InstantiableParams(Params):

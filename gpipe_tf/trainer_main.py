@@ -137,6 +137,9 @@ def _main(argv: list[str]) -> None:
         None if FLAGS.num_replicas is None else f"train.num_replicas={FLAGS.num_replicas}") if part)
     resolved = experiment.resolve(FLAGS.model, FLAGS.gin_file, FLAGS.gin_param, overrides)
     params, gin_config = resolved.params, resolved.operative_config
+    for note in resolved.notes:  # an override that replaced a class: which fields it reset
+        # The inspect modes print their report on stdout (inspect_params: a tree to save as params.txt).
+        print(note, flush=True, file=sys.stderr if FLAGS.mode in ("inspect", "inspect_params") else sys.stdout)
     # Resolving Params runs no TensorFlow op, so the CPU can still be split here.
     num_devices = FLAGS.logical_devices or params.logical_devices
     if num_devices:

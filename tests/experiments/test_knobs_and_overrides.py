@@ -52,3 +52,22 @@ def test_several_experiments_resolve_in_one_process():
     second, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe",
                                           gin_bindings=["BlobsMlpGPipe.remat = 'never'"])
     assert first.model == KEY and second.task.network.remat == "never"
+
+
+ADAMW = "gpipe_tf.training.optimizers.AdamW"
+
+
+def test_setting_the_optimizer_class_it_already_has_keeps_its_fields():
+    # The optimizer an experiment made AdamW with its own weight decay (here: the overrides before), named again in
+    # the form docs/trainer.md#overrides shows, with a field of its own after it.
+    experiment_set = f"train.optimizer.cls={ADAMW},train.optimizer.weight_decay=0.05,train.optimizer.decay_exclude=bias"
+    resolved = experiment.resolve(KEY, overrides=f"{experiment_set},train.optimizer={ADAMW},"
+                                                 "train.optimizer.beta2=0.98")
+    optimizer = resolved.params.train.optimizer
+    assert (optimizer.weight_decay, optimizer.decay_exclude, optimizer.beta2) == (0.05, "bias", 0.98)
+    assert resolved.notes == ()
+    # Another class starts from its defaults; the one note names what differed from AdamW's.
+    resolved = experiment.resolve(KEY, overrides=f"{experiment_set},train.optimizer=gpipe_tf.training.optimizers.Adam")
+    assert resolved.params.train.optimizer.beta2 == 0.999 and "weight_decay" not in resolved.params.train.optimizer
+    assert len(resolved.notes) == 1
+    assert "reset: weight_decay=0.05, decay_exclude='bias'" in resolved.notes[0], resolved.notes

@@ -550,3 +550,64 @@ def test_a_node_set_to_a_class_path_becomes_that_class_default_params():
     frozen = p.copy().freeze()
     with pytest.raises(ParamsError, match="frozen"):
         frozen.override("layer", "tests.hyperparams.test_hyperparams._Wide")
+
+
+class _Shape:
+    """A base whose subclasses are known by short names, as schedules are."""
+
+    @classmethod
+    def named_params(cls, name) -> InstantiableParams:
+        return {"square": _Square, "circle": _Circle}[name].params()
+
+
+class _Square(_Shape):
+    """A shape with two fields."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        p = InstantiableParams(cls)
+        p.define("side", 1, "a side")
+        p.define("fill", "none", "a fill")
+        return p
+
+
+class _Circle(_Shape):
+    """Another shape, with a field of its own."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        p = InstantiableParams(cls)
+        p.define("radius", 1.0, "a radius")
+        return p
+
+
+SQUARE, CIRCLE = (f"tests.hyperparams.test_hyperparams.{c.__name__}" for c in (_Square, _Circle))
+
+
+def _square_as_set():
+    """A tree whose `shape` an experiment made a 3-sided square, then an override filled red."""
+    p = Params()
+    p.define("shape", _Square.params().set(side=3), "a shape")
+    p.override("shape.fill", "red")
+    return p
+
+
+@pytest.mark.parametrize("key, text", [("shape", SQUARE), ("shape.cls", SQUARE), ("shape", "square"),
+                                       ("shape", "'square'")])
+def test_naming_the_class_a_node_already_has_keeps_its_fields_in_every_form(key, text):
+    p, notes = _square_as_set(), []
+    p.override(key, text, notes)
+    assert p.shape == _Square.params().set(side=3, fill="red") and notes == []
+
+
+@pytest.mark.parametrize("key, text", [("shape", CIRCLE), ("shape.cls", CIRCLE), ("shape", "circle")])
+def test_another_class_starts_from_its_defaults_and_one_note_names_the_fields_reset(key, text):
+    p, notes = _square_as_set(), []
+    p.override(key, text, notes)
+    assert p.shape == _Circle.params()
+    # Only what differed from _Square's defaults is named: the experiment's side and the override's fill.
+    assert notes == [f"{key}={text} replaces _Square by _Circle at its defaults, so what was set on _Square is "
+                     "reset: side=3, fill='red' (set _Circle's fields after the class in --params)"]
+    # Switching away from a node still at its class's defaults resets nothing, so nothing more is said.
+    p.override(key, SQUARE if "." in text else "square", notes)
+    assert p.shape == _Square.params() and len(notes) == 1

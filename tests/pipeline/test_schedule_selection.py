@@ -74,6 +74,22 @@ def test_batched_weight_gradients_are_set_from_the_command_line(name):
     assert schedule_name(schedule) == f"{CLASSES[name].__name__}({v}batch_weight_gradients=True)"
 
 
+def test_naming_the_schedule_a_pipeline_already_has_keeps_its_fields_in_every_form():
+    # Interleaved with v=3, then named again: by name (whose default is v=2), quoted name, class path and cls.
+    chosen = "task.network.schedule=interleaved,task.network.schedule.virtual_stages=3"
+    for form in ("task.network.schedule=interleaved", "task.network.schedule='interleaved'",
+                 f"task.network.schedule={PATHS['interleaved']}", f"task.network.schedule.cls={PATHS['interleaved']}"):
+        resolved = experiment.resolve(KEY, overrides=f"{chosen},{form}")
+        assert resolved.params.task.network.schedule == Interleaved.params().set(virtual_stages=3), form
+        assert resolved.notes == (), form
+    # Another schedule starts from its defaults, and the note says what was reset.
+    resolved = experiment.resolve(KEY, overrides=f"{chosen},task.network.schedule=one_f_one_b")
+    assert resolved.params.task.network.schedule == OneForwardOneBackward.params()
+    assert resolved.notes == ("note: --params task.network.schedule=one_f_one_b replaces Interleaved by "
+                              "OneForwardOneBackward at its defaults, so what was set on Interleaved is reset: "
+                              "virtual_stages=3 (set OneForwardOneBackward's fields after the class in --params)",)
+
+
 def test_unrolled_has_no_batched_weight_gradients():
     with pytest.raises(ParamsError, match="unknown param 'task.network.schedule.batch_weight_gradients'"):
         _schedule("task.network.schedule=unrolled,task.network.schedule.batch_weight_gradients=True")

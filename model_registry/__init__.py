@@ -18,6 +18,8 @@ import difflib
 import importlib
 import inspect
 import pkgutil
+import types
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -27,6 +29,9 @@ PARAMS_PACKAGE = "gpipe_tf.params"
 T = TypeVar("T", bound=type)
 
 _REGISTRY: dict[str, type] = {}
+# Where each key was registered: (the module body's code object, weakly, and the line), to tell a module that
+# defines two classes of one name (the same body) from a module imported again (a new body).
+_DEFINED_AT: dict[str, tuple[weakref.ref, int]] = {}
 
 
 class RegistryError(KeyError):
@@ -61,21 +66,41 @@ def key_for(cls: type) -> str:
 def register(cls: T | None = None, *, key: str | None = None) -> T | Callable[[T], T]:
     """Class decorator: registers an experiment under `<area>.<module>.<Class>` (or an explicit `key`).
 
-    Registering a second, different class under a taken key is an error; re-registering the same class is
-    allowed (a module imported twice under one name).
+    Registering a second, different class under a taken key is an error, also when one module defines two classes
+    of one name; a module imported again (under the same name) registers its classes anew.
     """
 
     def _register(c: T) -> T:
         k = key or key_for(c)
         old = _REGISTRY.get(k)
-        if old is not None and old is not c and (old.__module__, old.__qualname__) != (c.__module__, c.__qualname__):
-            raise RegistryError(f"duplicate model key {k!r}: already registered by {old.__module__}."
-                                f"{old.__qualname__}; rename one of the classes")
+        body = _module_body(c.__module__)
+        if old is not None and old is not c:
+            if (old.__module__, old.__qualname__) != (c.__module__, c.__qualname__):
+                raise RegistryError(f"duplicate model key {k!r}: already registered by {old.__module__}."
+                                    f"{old.__qualname__}; rename one of the classes")
+            first = _DEFINED_AT.get(k)
+            if body is not None and first is not None and first[0]() is body[0]:
+                raise RegistryError(f"module {c.__module__} defines two experiment classes named {c.__qualname__} "
+                                    f"(lines {first[1]} and {body[1]}), both registered as {k!r}, so the second "
+                                    "would replace the first; rename one of them")
         _REGISTRY[k] = c
+        if body is not None:
+            _DEFINED_AT[k] = (weakref.ref(body[0]), body[1])
         c.registry_key = k  # type: ignore[attr-defined]
         return c
 
     return _register(cls) if cls is not None else _register
+
+
+def _module_body(module: str) -> tuple[types.CodeType, int] | None:
+    """(code object, current line) of the body of `module` when it is running now (it holds the class statement
+    being registered), else None (a class registered by a function call, not at a module's top level)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == module:
+            return frame.f_code, frame.f_lineno
+        frame = frame.f_back
+    return None
 
 
 def _names_module(error: ModuleNotFoundError, name: str) -> bool:

@@ -1,5 +1,7 @@
 """Model registry: keys from module paths, lazy look-up, listing, errors."""
 
+import importlib
+import re
 import sys
 
 import pytest
@@ -91,3 +93,31 @@ def test_duplicate_key_is_an_error(registry):
     registry.register(key="x.y.Dup")(type("A", (), {}))
     with pytest.raises(model_registry.RegistryError, match="duplicate model key 'x.y.Dup'"):
         registry.register(key="x.y.Dup")(type("B", (), {}))
+
+
+
+def _write_module(directory, name, *hidden_dims):
+    """A user module defining one experiment class named Wide per entry of `hidden_dims`."""
+    text = "from gpipe_tf import model_registry\nfrom gpipe_tf.params.toy.classifier import BlobsMlp\n"
+    for dims in hidden_dims:
+        text += f"\n\n@model_registry.register\nclass Wide(BlobsMlp):\n    hidden_dims = {dims!r}\n"
+    (directory / f"{name}.py").write_text(text)
+
+
+def test_two_experiments_of_one_name_in_one_module_are_an_error_naming_both(registry, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _write_module(tmp_path, "twice_named", (128,), (256,))
+    monkeypatch.delitem(sys.modules, "twice_named", raising=False)
+    with pytest.raises(model_registry.RegistryError) as info:
+        registry.get("twice_named.Wide")
+    # The lines of the two definitions (their decorator's line, or their class line on some Python versions).
+    assert re.fullmatch(r"module twice_named defines two experiment classes named Wide \(lines [56] and 1[01]\), both "
+                        r"registered as 'twice_named.Wide', so the second would replace the first; rename one of them",
+                        str(info.value)), str(info.value)
+    # A module imported again (its class defined once) registers its class anew: no error.
+    _write_module(tmp_path, "imported_twice", (128,))
+    first = registry.get("imported_twice.Wide")
+    monkeypatch.delitem(sys.modules, "imported_twice")
+    second = importlib.import_module("imported_twice").Wide
+    assert second is not first and registry.get("imported_twice.Wide") is second
+    monkeypatch.delitem(sys.modules, "imported_twice")

@@ -237,8 +237,8 @@ def _build(node: ast.AST, allow_params: bool = True, resolve_names: bool = True)
                       "import path, tf.<dtype> or a Params placeholder)")
 
 
-def _parse_path(text: str) -> list[tuple[str, Any]]:
-    """'a.b[2].c' -> [('attr', 'a'), ('attr', 'b'), ('item', 2), ('attr', 'c')]."""
+def _parse_path(text: str, item_last: bool = False) -> list[tuple[str, Any]]:
+    """'a.b[2].c' -> [('attr', 'a'), ('attr', 'b'), ('item', 2), ('attr', 'c')]; 'a.b[2]' only if `item_last`."""
     parts = text.split(".")
     if all(p.isidentifier() for p in parts):  # the common case needs no AST
         return [("attr", p) for p in parts]
@@ -256,7 +256,7 @@ def _parse_path(text: str) -> list[tuple[str, Any]]:
         segments.append(("attr", node.id))
     except (SyntaxError, ValueError):
         raise ParamsError(f"bad param path {text!r} (expected names joined by dots, e.g. task.hidden_dim)") from None
-    if segments[0][0] != "attr":
+    if segments[0][0] != "attr" and not item_last:
         raise ParamsError(f"bad param path {text!r}: it must end in a name")
     return segments[::-1]
 
@@ -319,6 +319,24 @@ def _merge(existing: Any, template: Any) -> Any:
     if type(template) is dict and type(existing) is dict and existing.keys() == template.keys():
         return {k: _merge(existing[k], t) for k, t in template.items()}
     return template
+
+
+def _walk(node: Any, segments: list[tuple[str, Any]], dotted: str) -> Any:
+    """The value `segments` (of `_parse_path`) lead to from `node`; ParamsError naming `dotted` where none is."""
+    for kind, key in segments:
+        if kind == "attr" and isinstance(node, Params) and key in node._values:
+            node = node._values[key]
+        elif kind == "item" and isinstance(node, (list, tuple, dict)):
+            try:
+                node = node[key]
+            except (LookupError, TypeError):
+                raise ParamsError(f"no '{dotted}': no item [{key!r}] there") from None
+        else:
+            raise ParamsError(f"no '{dotted}': nothing named {key!r} there")
+    return node
+
+
+_ABSENT = object()  # a path one side of a comparison lacks
 
 
 class _Node(str):
@@ -540,6 +558,47 @@ class Params:
             elif not _same(value, theirs[path]):
                 lines.append(f"{path}: {show(value)} -> {show(theirs[path])}")
         return lines + [f"only in other: {path}" for path in theirs if path not in mine]
+
+    def differences(self, other: Params) -> list[tuple[str, str | None, str | None]]:
+        """(path, value here, value in `other`) of each field that differs, values as text, None standing for the
+        side that lacks it. A node only one side has, or of another class or length on each, is one entry: what it
+        holds is not listed again."""
+        mine, theirs = self._flatten(with_nodes=True), other._flatten(with_nodes=True)
+
+        def show(v: Any) -> str:
+            return v if isinstance(v, _Node) else _format(v, "", strict=False)
+
+        out: list[tuple[str, str | None, str | None]] = []
+        whole: list[str] = []  # nodes listed as one entry
+        for path in [*mine, *(p for p in theirs if p not in mine)]:
+            if any(path.startswith((top + ".", top + "[")) for top in whole):
+                continue
+            here, there = mine.get(path, _ABSENT), theirs.get(path, _ABSENT)
+            if here is not _ABSENT and there is not _ABSENT and _same(here, there):
+                continue
+            out.append((path, None if here is _ABSENT else show(here), None if there is _ABSENT else show(there)))
+            if isinstance(here, _Node) or isinstance(there, _Node):
+                whole.append(path)
+        return out
+
+    def is_class_default(self, dotted: str) -> bool:
+        """Whether the value at `dotted` ('a.b', 'a.layers[2]') equals its default: its value in the `params()` of the
+        class of the nearest InstantiableParams above it (False when no class above it gives defaults, or none for
+        this field or item). ParamsError when `dotted` leads nowhere in this tree."""
+        segments = _parse_path(dotted, item_last=True)
+        value = _walk(self, segments, dotted)
+        owner, rest, node = None, segments, self
+        for i, segment in enumerate(segments[:-1]):
+            node = _walk(node, [segment], dotted)
+            if isinstance(node, InstantiableParams):
+                owner, rest = node, segments[i + 1:]
+        defaults = None if owner is None else _default_params(owner.cls)
+        if defaults is None:
+            return False
+        try:
+            return _same(value, _walk(defaults, rest, dotted))
+        except ParamsError:
+            return False
 
     # ------------------------------------------------------------------------------------------------ text
 

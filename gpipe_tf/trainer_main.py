@@ -188,10 +188,11 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
     training = FLAGS.mode in ("train", "train_and_eval")
     layout = _replica_layout(params) if training else None
     _connect_stage_workers()
+    # Training: everything that can reject the command runs before the logdir is touched, so a rejected command
+    # leaves it as it was, and a corrected one is never refused because of it.
+    for note in logdir_lib.check_compatible(FLAGS.logdir, params, training=training):
+        _print(note)
     if training:
-        # Everything that can reject the command runs before the logdir is touched: a rejected command leaves it
-        # as it was, and a corrected one is never refused because of it.
-        logdir_lib.check_compatible(FLAGS.logdir, params, training=True)
         controller = Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet, profile_steps=profile,
                                 layout=layout, knobs=resolved.knobs)
         controller.prepare_training()
@@ -214,17 +215,14 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
             logdir_lib.write_text(FLAGS.logdir, "operative_config.gin", gin_config)
         controller.train(evaluate_every=params.train.eval_interval_steps if FLAGS.mode == "train_and_eval" else None)
     elif FLAGS.mode == "eval":
-        logdir_lib.check_compatible(FLAGS.logdir, params)
         Controller(params, FLAGS.logdir, log=_print, quiet=FLAGS.quiet).evaluate(
             follow=not FLAGS.eval_once, timeout_secs=FLAGS.eval_timeout_secs, chosen=FLAGS.checkpoint)
     elif FLAGS.mode == "export":
         from gpipe_tf.training import exporter  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
-        logdir_lib.check_compatible(FLAGS.logdir, params)
         exporter.export(params.task.instantiate(), params, FLAGS.logdir, _print, checkpoint=FLAGS.checkpoint,
                         export_dir=FLAGS.export_dir)
     else:
         from gpipe_tf.training import decoder  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
-        logdir_lib.check_compatible(FLAGS.logdir, params)
         decoder.decode(params.task.instantiate(), params, FLAGS.logdir, _print, checkpoint=FLAGS.checkpoint,
                        progress_log=(lambda line: None) if FLAGS.quiet else _print)
 

@@ -3,7 +3,8 @@
 A logdir with checkpoints belongs to one model: a second run may change training settings (max_steps, learning
 rate, logging) and the pipeline's layout (MATH_NEUTRAL_FIELDS: K, M, balance, schedule, remat, devices), but not
 the model key or any other task Params, since its checkpoints would not restore into another model, nor the
-training batch size, since the checkpointed input position counts batches of the old size.
+training batch size, since the checkpointed input position counts batches of the old size. Task fields added to the
+code since a run was written, absent from its params.txt, are no change while they hold their class's defaults.
 """
 
 from __future__ import annotations
@@ -45,21 +46,26 @@ def check_writable(logdir: str, what: str = "--logdir") -> None:
                           "you can write to") from None
 
 
-def _is_math_neutral(diff_line: str) -> bool:
-    """Whether a Params.diff line ('a.b.c: x -> y') is about a MATH_NEUTRAL_FIELDS field."""
-    only = next((p for p in ("only in self: ", "only in other: ") if diff_line.startswith(p)), None)
-    path = diff_line[len(only):] if only else diff_line.split(": ", 1)[0]
+def _is_math_neutral(path: str) -> bool:
+    """Whether a field path ('task.network.num_stages') is about a MATH_NEUTRAL_FIELDS field."""
     # Any component: a nested pipeline field (task.network.schedule.parallel_iterations) is as neutral as it.
     return any(part.split("[", 1)[0] in MATH_NEUTRAL_FIELDS for part in path.split("."))
 
 
-def _incompatible_fields(old: Params, new: Params) -> list[str]:
-    lines = []
-    if old.get("model") != new.get("model"):
-        lines.append(f"model: {old.get('model')} -> {new.get('model')}")
-    if "task" in old and "task" in new:
-        lines += [f"task.{line}" for line in old.get("task").diff(new.get("task")) if not _is_math_neutral(line)]
-    return lines
+def _compare_models(old: Params, new: Params) -> tuple[list[str], list[str]]:
+    """(fields of `new` added since `old` was written, at their defaults, as 'path=value'; the other differences in
+    model key and task Params, as 'path (here X, there Y)'), the math-neutral fields aside."""
+    added: list[str] = []
+    different = [] if old.get("model") == new.get("model") else [
+        f"model (here {new.get('model')}, there {old.get('model')})"]
+    for path, here, there in new.differences(old):
+        if path.split(".", 1)[0] != "task" or _is_math_neutral(path):
+            continue
+        if there is None and new.is_class_default(path):
+            added.append(f"{path}={here}")
+        else:
+            different.append(f"{path} (here {here or 'absent'}, there {there or 'absent'})")
+    return added, different
 
 
 def _draws_randomness(p: Params) -> bool:
@@ -93,9 +99,8 @@ def resume_warnings(logdir: str, params: Params, task: Any) -> list[str]:
     if not _has_checkpoints(logdir) or not os.path.exists(path):
         return []
     try:
-        with open(path, encoding="utf-8") as f:
-            old = Params.from_text(f.read())
-    except (OSError, ParamsError, ImportError, AttributeError):
+        old = read_params(path, params.get("model"))
+    except (OSError, ConfigError):
         return []
     if "task" not in old or "task" not in params:
         return []
@@ -131,31 +136,54 @@ def _has_checkpoints(logdir: str) -> bool:
     return os.path.isdir(directory) and any(name.startswith("ckpt-") for name in os.listdir(directory))
 
 
-def check_compatible(logdir: str, params: Params, training: bool = False) -> None:
-    """Refuses a logdir whose checkpoints belong to another model or task shape (or, when `training`, to another
-    training batch size). Reads only; a logdir without checkpoints accepts any Params (nothing there to lose)."""
-    path = os.path.join(logdir, PARAMS_FILE)
-    if not _has_checkpoints(logdir):
-        return
-    if not os.path.exists(path):
-        raise ConfigError(f"--logdir={logdir!r} holds checkpoints but no {PARAMS_FILE}, so they cannot be "
-                              "checked against this model; use a new --logdir")
-        return
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+def read_params(path: str, model: str) -> Params:
+    """The Params of a run's params.txt at `path`; ConfigError naming the file and the fix when it is not UTF-8,
+    does not parse or names no model (empty or cut short). `model` is this run's key, for the fix's command."""
+    fix = (f"if it belongs to this run, write it anew with the run's flags (python trainer.py --model={model} "
+           f"--params=... --mode=inspect_params > {path}), else use a new --logdir")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read {path}: it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); {fix}") from None
     try:
         old = Params.from_text(text)
     except (ParamsError, ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot read {path} ({e}); use a new --logdir") from None
-    differences = _incompatible_fields(old, params)
+        raise ConfigError(f"cannot read {path} ({' '.join(str(e).split())}); {fix}") from None
+    if "model" not in old:
+        shown = "it is empty" if not text.strip() else "it has no 'model' line (cut short?)"
+        raise ConfigError(f"cannot read {path}: {shown}; {fix}")
+    return old
+
+
+def check_compatible(logdir: str, params: Params, training: bool = False) -> list[str]:
+    """Refuses a logdir whose checkpoints belong to another model or task shape (or, when `training`, to another
+    training batch size). Reads only; a logdir without checkpoints accepts any Params (nothing there to lose).
+
+    Fields added since the logdir's params.txt was written (absent there) that are at their defaults here are no
+    difference: the returned note line names them (empty list: nothing to say).
+    """
+    path = os.path.join(logdir, PARAMS_FILE)
+    if not _has_checkpoints(logdir):
+        return []
+    if not os.path.exists(path):
+        raise ConfigError(f"--logdir={logdir!r} holds checkpoints but no {PARAMS_FILE}, so they cannot be "
+                          "checked against this model; use a new --logdir")
+    old = read_params(path, params.get("model"))
+    added, differences = _compare_models(old, params)
     if differences:
         shown = "; ".join(differences[:5]) + (f"; ... {len(differences) - 5} more" if len(differences) > 5 else "")
-        raise ConfigError(f"--logdir={logdir!r} holds another model's run ({shown}); use a new --logdir or "
-                          "the same model settings")
+        raise ConfigError(f"--logdir={logdir!r} holds another model's run: this run's Params differ from its "
+                          f"{PARAMS_FILE} in {shown}; use a new --logdir or the same model settings")
     changed = _changed_input_stream(old, params) if training else []
     if changed:
         raise ConfigError(f"--logdir={logdir!r} holds checkpoints whose input position counts batches of the old "
                           f"size ({'; '.join(changed)}); resume with the same batch size, or use a new --logdir")
+    if not added:
+        return []
+    return [f"note: {path} lacks {len(added)} field{'s' if len(added) > 1 else ''} added since that run was "
+            f"written; they are taken at their defaults: {', '.join(added)}"]
 
 
 def write_text(logdir: str, name: str, text: str) -> None:

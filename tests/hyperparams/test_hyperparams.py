@@ -344,6 +344,25 @@ def test_diff_lines():
     assert p.diff(empty) == ["task.empty_child: Params() -> 3"]
 
 
+def test_differences_name_each_field_with_its_value_on_each_side_and_a_whole_node_once():
+    p = _full_tree()
+    q = p.copy()
+    q.task.leaf.dim = 128
+    q.task.layer.cls = Outer.Inner  # another class: the node is one entry, not its cls and fields again
+    q.task.define("extra", Params(), "")
+    q.task.extra.define("inside", 1, "")
+    r = p.copy()
+    r.task.leaf.define("only_here", None, "")
+    assert p.differences(q) == [
+        ("task.leaf.dim", "64", "128"),
+        ("task.layer", "InstantiableParams(tests.hyperparams.test_hyperparams.Builder)",
+         "InstantiableParams(tests.hyperparams.test_hyperparams.Outer.Inner)"),
+        ("task.extra", None, "Params()"),
+    ]
+    assert r.differences(p) == [("task.leaf.only_here", "None", None)]
+    assert p.differences(p.copy()) == []
+
+
 def test_flatten():
     flat = _full_tree().flatten()
     assert list(flat)[:4] == ["name", "steps", "builder", "task.dims"]

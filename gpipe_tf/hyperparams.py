@@ -587,7 +587,7 @@ class Params:
         this field or item). ParamsError when `dotted` leads nowhere in this tree."""
         segments = _parse_path(dotted, item_last=True)
         value = _walk(self, segments, dotted)
-        owner, rest, node = None, segments, self
+        owner, rest, node = (self if isinstance(self, InstantiableParams) else None), segments, self
         for i, segment in enumerate(segments[:-1]):
             node = _walk(node, [segment], dotted)
             if isinstance(node, InstantiableParams):

@@ -630,3 +630,32 @@ def test_another_class_starts_from_its_defaults_and_one_note_names_the_fields_re
     # Switching away from a node still at its class's defaults resets nothing, so nothing more is said.
     p.override(key, SQUARE if "." in text else "square", notes)
     assert p.shape == _Square.params() and len(notes) == 1
+
+
+class _Layer:
+    """A class with default Params, one of them nested."""
+
+    @classmethod
+    def params(cls) -> InstantiableParams:
+        p = InstantiableParams(cls)
+        p.define("width", 8, "a width")
+        inner = Params()
+        inner.define("scale", 1.0, "a scale")
+        p.define("init", inner, "init")
+        return p
+
+
+def test_is_class_default_reads_the_defaults_of_the_nearest_class_above_the_field():
+    root = Params()
+    root.define("layers", [_Layer.params(), _Layer.params().set(width=4)], "layers")
+    root.define("plain", 3, "a field no class holds")
+    assert root.is_class_default("layers[0].width") and not root.is_class_default("layers[1].width")
+    assert root.layers[0].is_class_default("init.scale")  # the root's own class
+    assert root.is_class_default("layers[1].init.scale") and root.is_class_default("layers[1].init")
+    root.layers[1].init.scale = 2.0
+    assert not root.is_class_default("layers[1].init.scale") and not root.is_class_default("layers[1].init")
+    assert not root.is_class_default("plain")
+    # An item of a list: its class's defaults hold no such item.
+    assert not root.is_class_default("layers[1]")
+    with pytest.raises(ParamsError, match="no 'layers\\[2\\]'"):
+        root.is_class_default("layers[2]")

@@ -8,7 +8,6 @@ import pytest
 
 from gpipe_tf import experiment
 from gpipe_tf.errors import ConfigError
-from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError
 from gpipe_tf.training import logdir as logdir_lib
 
 KEY = "toy.classifier.BlobsMlp"
@@ -105,34 +104,6 @@ def test_an_unreadable_params_txt_is_one_line_naming_the_file_and_the_fix(tmp_pa
             str(info.value)
     # resume_warnings, which reads it too, leaves the report to check_compatible.
     assert logdir_lib.resume_warnings(logdir, params, task=None) == []
-
-
-class _Layer:
-    """A class with default Params, one of them nested."""
-
-    @classmethod
-    def params(cls) -> InstantiableParams:
-        p = InstantiableParams(cls)
-        p.define("width", 8, "a width")
-        inner = Params()
-        inner.define("scale", 1.0, "a scale")
-        p.define("init", inner, "init")
-        return p
-
-
-def test_is_class_default_reads_the_defaults_of_the_nearest_class_above_the_field():
-    root = Params()
-    root.define("layers", [_Layer.params(), _Layer.params().set(width=4)], "layers")
-    root.define("plain", 3, "a field no class holds")
-    assert root.is_class_default("layers[0].width") and not root.is_class_default("layers[1].width")
-    assert root.is_class_default("layers[1].init.scale") and root.is_class_default("layers[1].init")
-    root.layers[1].init.scale = 2.0
-    assert not root.is_class_default("layers[1].init.scale") and not root.is_class_default("layers[1].init")
-    assert not root.is_class_default("plain")
-    # An item of a list: its class's defaults hold no such item.
-    assert not root.is_class_default("layers[1]")
-    with pytest.raises(ParamsError, match="no 'layers\\[2\\]'"):
-        root.is_class_default("layers[2]")
 
 
 def test_another_model_with_items_only_there_is_refused(tmp_path):

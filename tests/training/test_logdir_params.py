@@ -88,7 +88,7 @@ def _garbage(path):
     (_empty, "it is empty"),
     (_cut_before_model, r"it has no 'model' line \(cut short\?\)"),
     (_garbage, r"\(line \d+ \('this is not params text'\): expected 'path : value'\)"),
-])
+], ids=["not_utf8", "empty", "cut_before_model", "garbage"])
 def test_an_unreadable_params_txt_is_one_line_naming_the_file_and_the_fix(tmp_path, damage, reason):
     params = experiment.resolve(KEY).params
     logdir = _logdir(tmp_path, params)

@@ -99,7 +99,7 @@ def _module_files(name: str) -> list[str]:
     return [os.path.abspath(p) for p in (spec.submodule_search_locations or [spec.origin]) if p]
 
 
-def where_raised(name: str, error: BaseException) -> str | None:
+def _where_raised(name: str, error: BaseException) -> str | None:
     """`file:line` of the line of module `name`'s own package that raised `error` while `name` was imported: the
     innermost such frame (a call into a library ends at the package's line that made it), the line of a syntax
     error, or else the innermost frame outside Python's import machinery; None if there is none."""
@@ -124,7 +124,7 @@ def _import(name: str) -> ModuleType:
     except Exception as e:  # noqa: BLE001 -- re-raised as one line naming the module (the original is the cause)
         if isinstance(e, ModuleNotFoundError) and _names_module(e, name):
             raise
-        where = where_raised(name, e)
+        where = _where_raised(name, e)
         message = " ".join(str(e).split())
         raise ModuleImportError(
             f"experiment module {name!r} failed to import: {type(e).__name__}{': ' + message if message else ''}"

@@ -179,6 +179,8 @@ def plan_of(layers, num_stages, schedule):
               "('fill_drain' or 'one_f_one_b') and num_stages <= 2", [(2, "fill_drain"), (2, "one_f_one_b")]),
     (8, 4, 3, "net.num_stages=4 x schedule.virtual_stages=3 = 12 chunks must be between 1 and the number of layers "
               "(8); use num_stages <= 2 or schedule.virtual_stages <= 2", [(2, 3), (4, 2)]),
+    (3, 1, 4, "net.num_stages=1 x schedule.virtual_stages=4 = 4 chunks must be between 1 and the number of layers "
+              "(3); use schedule.virtual_stages <= 3", [(1, 3)]),
     (3, 2, 2, "net.num_stages=2 x schedule.virtual_stages=2 = 4 chunks must be between 1 and the number of layers "
               "(3); use num_stages <= 1", [(1, 2)]),
     (3, 2, "zero_bubble_v", "net.num_stages=2 x 2 chunks per device = 4 chunks must be between 1 and the number of "

@@ -98,23 +98,26 @@ def test_a_key_whose_module_is_not_installed_is_one_line(tmp_path):
 
 @pytest.fixture
 def raising_package(tmp_path):
-    """`raisingpkg`, whose module `mine` raises ZeroDivisionError on line 5 while it is imported."""
-    (tmp_path / "raisingpkg").mkdir()
-    (tmp_path / "raisingpkg" / "__init__.py").write_text("")
-    (tmp_path / "raisingpkg" / "mine.py").write_text(RAISING)
-    return tmp_path
+    """`raising_user_pkg`, whose module `mine` raises ZeroDivisionError on line 5 while it is imported; forgotten by
+    this process afterwards."""
+    (tmp_path / "raising_user_pkg").mkdir()
+    (tmp_path / "raising_user_pkg" / "__init__.py").write_text("")
+    (tmp_path / "raising_user_pkg" / "mine.py").write_text(RAISING)
+    yield tmp_path
+    for name in [m for m in sys.modules if m.partition(".")[0] == "raising_user_pkg"]:
+        del sys.modules[name]
 
 
 def expected_import_error(package):
-    return (f"trainer.py: error: experiment module 'raisingpkg.mine' failed to import: ZeroDivisionError: division by "
-            f"zero (at {package / 'raisingpkg' / 'mine.py'}:5); fix the module there, or run the trainer with "
-            "--traceback to see Python's traceback")
+    return (f"trainer.py: error: experiment module 'raising_user_pkg.mine' failed to import: ZeroDivisionError: "
+            f"division by zero (at {package / 'raising_user_pkg' / 'mine.py'}:5); fix the module there, or run the "
+            "trainer with --traceback to see Python's traceback")
 
 
 def test_a_module_that_raises_at_import_is_one_line(raising_package):
     # issue 35 item 6: a 29-line traceback before; now the module, the exception and its line, exit status 2.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(raising_package), ROOT])}
-    result = subprocess.run([sys.executable, "trainer.py", "--module=raisingpkg", "--list_models"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "trainer.py", "--module=raising_user_pkg", "--list_models"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300, env=env)
     assert one_error_line(result) == expected_import_error(raising_package)
 
@@ -123,7 +126,7 @@ def test_traceback_flag_prints_the_module_traceback_before_the_line(raising_pack
     monkeypatch.syspath_prepend(str(raising_package))
     verbosity = logging.get_verbosity()
     try:
-        with flagsaver.as_parsed(module=["raisingpkg"], list_models="true", traceback="true"):
+        with flagsaver.as_parsed(module=["raising_user_pkg"], list_models="true", traceback="true"):
             with pytest.raises(SystemExit) as exited:
                 trainer_main.main(["trainer.py"])
     finally:
@@ -133,5 +136,5 @@ def test_traceback_flag_prints_the_module_traceback_before_the_line(raising_pack
     assert lines[-1] == expected_import_error(raising_package), lines
     # Python's traceback of the error the module raised, down to its line, then the chain to the one line.
     assert lines[0] == "Traceback (most recent call last):", lines
-    assert f'  File "{raising_package / "raisingpkg" / "mine.py"}", line 5, in scale' in lines, lines
+    assert f'  File "{raising_package / "raising_user_pkg" / "mine.py"}", line 5, in scale' in lines, lines
     assert "ZeroDivisionError: division by zero" in lines, lines

@@ -105,16 +105,20 @@ def test_a_module_that_raises_at_import_is_one_error_naming_it_and_its_line(regi
     mine = package / "mine.py"
     expected = (f"experiment module 'raisingpkg.mine' failed to import: ZeroDivisionError: division by zero (at "
                 f"{mine}:5); fix the module there, or run the trainer with --traceback to see Python's traceback")
-    with pytest.raises(registry.RegistryError) as raised:
-        registry.import_modules(["raisingpkg.mine"])
-    assert str(raised.value) == expected
-    assert isinstance(raised.value.__cause__, ZeroDivisionError)  # the traceback --traceback prints
-    for call in (lambda: registry.import_modules(["raisingpkg"]),  # a package: each module below it is imported
-                 lambda: registry.get("raisingpkg.mine.Wider")):  # the key's module is imported the same way
+    try:
         with pytest.raises(registry.RegistryError) as raised:
-            call()
+            registry.import_modules(["raisingpkg.mine"])
         assert str(raised.value) == expected
-    with pytest.raises(registry.RegistryError,
-                       match=rf"'unclosed' failed to import: SyntaxError: .*\(at {tmp_path / 'unclosed.py'}:3\)"):
-        registry.import_modules(["unclosed"])
-    assert registry._USER_MODULES == []
+        assert isinstance(raised.value.__cause__, ZeroDivisionError)  # the traceback --traceback prints
+        for call in (lambda: registry.import_modules(["raisingpkg"]),  # a package: each module below it is imported
+                     lambda: registry.get("raisingpkg.mine.Wider")):  # the key's module is imported the same way
+            with pytest.raises(registry.RegistryError) as raised:
+                call()
+            assert str(raised.value) == expected
+        with pytest.raises(registry.RegistryError,
+                           match=rf"'unclosed' failed to import: SyntaxError: .*\(at {tmp_path / 'unclosed.py'}:3\)"):
+            registry.import_modules(["unclosed"])
+        assert registry._USER_MODULES == []
+    finally:
+        for name in [m for m in sys.modules if m.partition(".")[0] == "raisingpkg"]:
+            del sys.modules[name]

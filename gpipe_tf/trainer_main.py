@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,8 @@ flags.DEFINE_string("checkpoint", None, "--mode=eval/decode/export: use this che
                     "LOGDIR/checkpoints/ckpt-200, or a run's logdir for its newest) instead of the newest in --logdir.")
 flags.DEFINE_string("export_dir", None, "--mode=export: write the SavedModel here (default LOGDIR/export/<step>).")
 flags.DEFINE_bool("quiet", False, "No progress lines (warnings, errors and results still print).")
+flags.DEFINE_bool("traceback", False, "An error that ends the run in one line prints Python's traceback before it "
+                  "(e.g. of an exception your experiment module raised).")
 flags.DEFINE_string("profile_steps", None, "START,END: capture a TF profiler trace of those steps into the logdir "
                     "(TensorBoard's Profile tab; pip install -e '.[profile]').")
 flags.DEFINE_bool("json", False, "--mode=inspect: print one JSON object.")
@@ -329,6 +332,7 @@ def main(argv: list[str]) -> None:
     try:
         _main(argv)
     except TrainingError as e:
+        _print_traceback(e)
         _fail(" ".join(str(e).split()), status=1)
     except KeyboardInterrupt:
         # SIGINT before the training loop installs its handler (which saves and stops cleanly): while the command
@@ -345,6 +349,7 @@ def main(argv: list[str]) -> None:
         cause = errors.find_in_chain(e, user_errors) or errors.find_in_chain(e, (OSError,))
         if cause is None:
             raise
+        _print_traceback(e)
         if isinstance(cause, OSError):
             _fail(f"cannot access {cause.filename or 'a file'}: {cause.strerror or cause}; free disk space or fix the "
                   "permissions, then run again")
@@ -352,6 +357,13 @@ def main(argv: list[str]) -> None:
     finally:
         for local in _STAGE_WORKERS:
             local.stop()
+
+
+def _print_traceback(error: BaseException) -> None:
+    """--traceback: Python's traceback of `error`, and of the errors it came from, before its one-line message."""
+    if FLAGS.traceback:
+        traceback.print_exception(error, file=sys.stderr)
+        sys.stderr.flush()
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

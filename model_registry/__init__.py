@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
+import os
 import pkgutil
+import traceback
 import types
 import weakref
 from collections.abc import Callable
+from types import ModuleType
 from typing import TypeVar
 
 # The built-in experiments' package: the checkout's `params/` folder, installed under this name (see setup.py).
@@ -40,6 +44,10 @@ class RegistryError(KeyError):
     def __str__(self) -> str:
         # KeyError quotes its message; users should read plain text.
         return str(self.args[0]) if self.args else ""
+
+
+class ModuleImportError(RegistryError):
+    """An experiment module raised while it was imported; the error it raised is this one's __cause__."""
 
 
 _USER_MODULES: list[str] = []
@@ -108,23 +116,63 @@ def _names_module(error: ModuleNotFoundError, name: str) -> bool:
     return error.name is not None and (name == error.name or name.startswith(error.name + "."))
 
 
+def _module_files(name: str) -> list[str]:
+    """The file or folder of the top-level package of module `name` (found without importing it), or []."""
+    spec = importlib.util.find_spec(name.partition(".")[0])
+    if spec is None:
+        return []
+    return [os.path.abspath(p) for p in (spec.submodule_search_locations or [spec.origin]) if p]
+
+
+def _where_raised(name: str, error: BaseException) -> str | None:
+    """`file:line` of the line of module `name`'s own package that raised `error` while `name` was imported: the
+    innermost such frame (a call into a library ends at the package's line that made it), the line of a syntax
+    error, or else the innermost frame outside Python's import machinery; None if there is none."""
+    if isinstance(error, SyntaxError) and error.filename and error.lineno:
+        return f"{error.filename}:{error.lineno}"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen ")]
+    roots = _module_files(name)
+    own = [f for f in frames if any(os.path.abspath(f.filename) == root or
+                                    os.path.abspath(f.filename).startswith(root + os.sep) for root in roots)]
+    frame = (own or frames or [None])[-1]
+    return None if frame is None else f"{frame.filename}:{frame.lineno}"
+
+
+def _import(name: str) -> ModuleType:
+    """importlib.import_module(name); an error the module raises is a ModuleImportError naming the module, the
+    error and the line that raised it. A missing `name` (or a package above it) raises ModuleNotFoundError as it is,
+    and a RegistryError (e.g. a duplicate key) stays itself: both already name what is wrong."""
+    try:
+        return importlib.import_module(name)
+    except RegistryError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- re-raised as one line naming the module (the original is the cause)
+        if isinstance(e, ModuleNotFoundError) and _names_module(e, name):
+            raise
+        where = _where_raised(name, e)
+        message = " ".join(str(e).split())
+        raise ModuleImportError(
+            f"experiment module {name!r} failed to import: {type(e).__name__}{': ' + message if message else ''}"
+            f"{f' (at {where})' if where else ''}; fix the module there, or run the trainer with --traceback to see "
+            "Python's traceback") from e
+
+
 def import_modules(names: list[str]) -> None:
     """Imports the user's experiment modules (and, for a package, every module below it) so that they register.
 
-    A name that does not import raises RegistryError naming it; an error raised inside the module surfaces as it
-    is. Listed modules are remembered: `list_models` imports them again after the registry was cleared.
+    A name that does not import raises RegistryError naming it; an error raised inside a module is a
+    ModuleImportError naming the module, the error and its line. Listed modules are remembered: `list_models`
+    imports them again after the registry was cleared.
     """
     for name in names:
         try:
-            module = importlib.import_module(name)
+            module = _import(name)
         except ModuleNotFoundError as e:
-            if not _names_module(e, name):
-                raise
             raise RegistryError(f"cannot import experiment module {name!r}: no module named {e.name!r}; install the "
                                 f"package that holds it (pip install -e PATH) or fix the name") from None
         if hasattr(module, "__path__"):
             for info in pkgutil.walk_packages(module.__path__, prefix=name + "."):
-                importlib.import_module(info.name)
+                _import(info.name)
         if name not in _USER_MODULES:
             _USER_MODULES.append(name)
 
@@ -132,7 +180,7 @@ def import_modules(names: list[str]) -> None:
 def _import_all() -> None:
     package = importlib.import_module(PARAMS_PACKAGE)
     for info in pkgutil.walk_packages(package.__path__, prefix=PARAMS_PACKAGE + "."):
-        importlib.import_module(info.name)
+        _import(info.name)
     import_modules(list(_USER_MODULES))
 
 
@@ -167,11 +215,9 @@ def get(key: str) -> type:
         candidates = ([f"{PARAMS_PACKAGE}.{module}"] if key.count(".") == 2 else []) + ([module] if module else [])
         for name in candidates:
             try:
-                importlib.import_module(name)
-            except ModuleNotFoundError as e:
-                # Only a missing experiment module means "unknown key"; a broken import inside it must surface.
-                if not _names_module(e, name):
-                    raise
+                _import(name)
+            except ModuleNotFoundError:
+                pass  # the experiment module is missing: an unknown key (an error inside it is a ModuleImportError)
             if key in _REGISTRY:
                 break
     if key not in _REGISTRY:

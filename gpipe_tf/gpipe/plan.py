@@ -132,9 +132,7 @@ def make_plan(p: InstantiableParams, *, chunk_devices: Sequence[int] | None = No
     if not layers:
         raise ParamsError(f"{path}.layers is empty; give the layer Params to pipeline")
     if num_devices < 1 or k > num_layers:
-        per_device = f" x schedule.virtual_stages={v} = {k} chunks" if v > 1 else ""
-        raise ParamsError(f"{path}.num_stages={num_devices!r}{per_device} must be between 1 and the number of layers "
-                          f"({num_layers}); use num_stages <= {num_layers // v}")
+        raise ParamsError(_too_many_chunks(p, num_layers, v, path))
     if p.balance_by not in partition.BALANCE_BY:
         raise ParamsError(f"{path}.balance_by={p.balance_by!r} is not one of {partition.BALANCE_BY}; use one of "
                           "them, or give an explicit balance")
@@ -155,6 +153,28 @@ def make_plan(p: InstantiableParams, *, chunk_devices: Sequence[int] | None = No
     return StagePlan(balance=balance, stage_layers=tuple(names), layer_costs=costs, cost_kind=kind,
                      remat=tuple(remat.stage_uses_remat(p.remat, s, k) for s in range(k)), devices=devices,
                      virtual_stages=v, chunk_devices=chunk_devices)
+
+
+def _too_many_chunks(p: InstantiableParams, num_layers: int, v: int, path: str) -> str:
+    """The error of a plan whose num_stages is below 1 or whose v x K chunks outnumber the layers (each chunk needs
+    one), with the changes that fit: fewer stages, fewer virtual stages, or, for a model with fewer layers than v,
+    a schedule with one chunk per device."""
+    k = p.num_stages
+    virtual_knob = isinstance(p.schedule, InstantiableParams) and "virtual_stages" in p.schedule
+    per_device = "" if v == 1 else (f" x schedule.virtual_stages={v}" if virtual_knob else f" x {v} chunks per device")
+    chunks = f" = {k * v} chunks" if v > 1 and k >= 1 else ""
+    fixes = []
+    if num_layers // v >= 1:
+        fixes.append(f"num_stages <= {num_layers // v}" if k >= 1 else f"num_stages between 1 and {num_layers // v}")
+    if v > 1 and virtual_knob and k >= 1 and num_layers // k >= 2:
+        fixes.append(f"schedule.virtual_stages <= {num_layers // k}")
+    if fixes:
+        fix = "use " + " or ".join(fixes)
+    else:
+        fix = (f"{num_layers} layers are too few for {v} chunks per device: use a schedule with one chunk per device "
+               f"('fill_drain' or 'one_f_one_b') and num_stages <= {num_layers}")
+    return (f"{path}.num_stages={k!r}{per_device}{chunks} must be between 1 and the number of layers ({num_layers}); "
+            f"{fix}")
 
 
 def _check_chunk_devices(chunk_devices: Sequence[int] | None, num_devices: Any, path: str) -> tuple[int, ...]:

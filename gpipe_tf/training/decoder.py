@@ -1,8 +1,12 @@
 """`--mode=decode`: translate each evaluation dataset with the newest (or a chosen) checkpoint and score them.
 
 Writes `logdir/decode_<dataset>/hypotheses.tsv` (source, hypothesis, reference, target language) and TensorBoard
-scalars in the same folder: corpus BLEU (sacrebleu, the standard implementation, tokenize '13a') and exact match,
-overall and per target language. Read-only with respect to the trainer's checkpoints.
+scalars in the same folder: corpus BLEU (sacrebleu, the standard implementation, tokenize '13a'), corpus chrF
+(sacrebleu's defaults: character 6-grams, beta 2) and exact match, overall and per target language. chrF stands
+beside BLEU because BLEU's geometric mean over 1- to 4-grams is 0 for a corpus of one-word sentences (German or
+Finnish numbers are single compound words) however well they are translated; chrF compares character n-grams, so it
+means something for them (docs/monitoring.md#tensorboard says which to read when). Read-only with respect to the
+trainer's checkpoints.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from gpipe_tf.training.summaries import SummaryWriter
 
 
 def score(hypotheses: list[str], references: list[str], languages: list[str]) -> dict[str, float]:
-    """BLEU and exact match (as fractions of 1 and BLEU points), overall and per target language."""
+    """BLEU and chrF (points, 0-100) and exact match (a fraction of 1), overall and per target language."""
     out = {"bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
+           "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score,
            "exact_match": sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)}
     by_lang: dict[str, list[int]] = collections.defaultdict(list)
     for j, lang in enumerate(languages):
@@ -31,6 +36,7 @@ def score(hypotheses: list[str], references: list[str], languages: list[str]) ->
     for lang, rows in sorted(by_lang.items()):
         hyps, refs = [hypotheses[j] for j in rows], [references[j] for j in rows]
         out[f"bleu/{lang}"] = sacrebleu.corpus_bleu(hyps, [refs]).score
+        out[f"chrf/{lang}"] = sacrebleu.corpus_chrf(hyps, [refs]).score
         out[f"exact_match/{lang}"] = sum(h == r for h, r in zip(hyps, refs)) / len(rows)
     return out
 
@@ -82,6 +88,7 @@ def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], No
                 f.write(f"{src}\t{hyp}\t{ref}\t{lang}\n")
         per_lang = " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in scores.items() if k.startswith("exact_match/"))
         log(f"decode {name} at step {step}: {len(hypotheses)} sentences, BLEU={scores['bleu']:.2f}, "
-            f"exact match={scores['exact_match']:.3f} ({per_lang}); {progress.format_duration(seconds)}")
+            f"chrF={scores['chrf']:.2f}, exact match={scores['exact_match']:.3f} ({per_lang}); "
+            f"{progress.format_duration(seconds)}")
         results[name] = scores
     return results

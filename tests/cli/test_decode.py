@@ -1,6 +1,7 @@
-"""--mode=decode: translations and scores written per dataset; BLEU and exact match against references."""
+"""--mode=decode: translations and scores written per dataset; BLEU, chrF and exact match against references."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,20 @@ def test_score_counts_exact_matches_per_language():
     assert scores["bleu/fr"] == pytest.approx(100.0) and 0.0 <= scores["bleu"] <= 100.0
 
 
+def test_chrf_beside_bleu_scores_one_word_sentences():
+    # issue 35 item 18: German numbers are single words, so BLEU (1- to 4-grams) is 0 even for exact translations.
+    de = ["dreihundertvierundzwanzig", "siebzehn", "neunhundert"]
+    fr = ["trois cent vingt-quatre mille", "dix-sept mille deux cents"]
+    scores = score(de + fr, de[:2] + ["neunhundertzwei"] + fr, ["de"] * 3 + ["fr"] * 2)
+    assert scores["exact_match/de"] == pytest.approx(2 / 3) and scores["bleu/de"] == 0.0
+    exact = score(de, de, ["de"] * 3)
+    assert exact["chrf/de"] == pytest.approx(100.0) and exact["chrf"] == pytest.approx(100.0)
+    assert exact["bleu/de"] == 0.0
+    assert 0.0 < scores["chrf/de"] < 100.0  # a near miss ("neunhundert" for "neunhundertzwei") earns partial credit
+    assert scores["chrf/fr"] == pytest.approx(100.0) and scores["bleu/fr"] == pytest.approx(100.0)
+    assert scores["chrf/de"] < scores["chrf"] < 100.0  # the overall score is the corpus's, over both languages
+
+
 def test_decode_mode_writes_hypotheses_and_scalars(tmp_path):
     logdir = str(tmp_path)
     result = subprocess.run(
@@ -27,12 +42,15 @@ def test_decode_mode_writes_hypotheses_and_scalars(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "decode test at step 0: 64 sentences" in result.stdout
+    assert re.search(r"decode test at step 0: 64 sentences, BLEU=[\d.]+, chrF=[\d.]+, exact match=", result.stdout)
     assert "decode test at step 0: 1 batches ..." in result.stdout.splitlines()  # the progress line before it
     rows = open(os.path.join(logdir, "decode_test", "hypotheses.tsv"), encoding="utf-8").read().splitlines()
     assert rows[0].split("\t") == ["source", "hypothesis", "reference", "target_language"] and len(rows) == 65
     assert all(row.split("\t")[0].startswith("<2") for row in rows[1:])
     scalars = read_scalars(os.path.join(logdir, "decode_test"))
-    assert {"bleu", "exact_match", "exact_match/fr"} <= set(scalars)
+    languages = {row.split("\t")[3] for row in rows[1:]}
+    assert {"bleu", "chrf", "exact_match"} | {f"{metric}/{lang}" for metric in ("bleu", "chrf", "exact_match")
+                                              for lang in languages} <= set(scalars), sorted(scalars)
 
 
 @pytest.mark.exhaustive(covered_by=(

@@ -12,7 +12,7 @@ import pytest
 from gpipe_tf import experiment, inspection
 from tests.helpers import tiers
 from tests.helpers.paths import ROOT
-from tests.helpers.trainer_errors import assert_user_error
+from tests.helpers.trainer_errors import assert_user_error, one_error_line
 
 KEY = "mt.gpipe_paper.TransformerLTinyOffline"
 
@@ -158,3 +158,40 @@ def test_capacity_needs_device_memory():
     result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
                              "--capacity=num_layers"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert_user_error(result, "--capacity=num_layers needs --device_memory", "--device_memory=16GiB")
+
+
+def inspect_blobs(*args):
+    return subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", "--mode=inspect",
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.exhaustive(covered_by=(
+    "tests/memory/test_capacity.py::test_a_batch_size_knob_proposes_only_batch_sizes_the_trainer_accepts",
+))
+def test_the_batch_size_capacity_proposes_trains(tmp_path):
+    # issue 35 item 4: the largest batch size --capacity=batch_size proposes is one the trainer trains with.
+    result = inspect_blobs("--device_memory=4MiB", "--capacity=batch_size", "--capacity_devices=2", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(result.stdout)["capacity"]
+    k2 = next(r for r in rows if r["num_stages"] == 2)
+    trained = subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
+                              f"--logdir={tmp_path / 'run'}", "--max_steps=1", "--quiet",
+                              f"--gin_param=BlobsMlpGPipe.batch_size={k2['value']}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert k2["note"].startswith("multiples of 4: batch sizes the trainer accepts"), rows
+
+
+@pytest.mark.exhaustive(covered_by=(
+    "tests/pipeline/test_plan.py::test_too_few_layers_for_the_chunks_advises_a_setting_that_plans",
+))
+def test_interleaved_over_too_few_layers_advises_a_setting_that_plans():
+    # issue 35 item 11: more virtual stages than layers advised "use num_stages <= 0".
+    schedule = "--params=task.network.schedule=interleaved,task.network.schedule.virtual_stages="
+    line = one_error_line(inspect_blobs("--quiet", schedule + "7"))
+    assert line == ("trainer.py: error: task.network.num_stages=2 x schedule.virtual_stages=7 = 14 chunks must be "
+                    "between 1 and the number of layers (6); use schedule.virtual_stages <= 3"), line
+    advised = inspect_blobs(schedule + "3")
+    assert advised.returncode == 0, advised.stderr[-2000:]
+    assert "pipeline task.network: K=2 x 3 chunks per device (chunk devices 0 1 0 1 0 1) M=4" in advised.stdout, \
+        advised.stdout

@@ -7,6 +7,12 @@ import sys
 import textwrap
 
 import pytest
+from absl import logging
+from absl.testing import flagsaver
+
+from gpipe_tf import trainer_main
+from tests.helpers.paths import ROOT
+from tests.helpers.trainer_errors import one_error_line
 
 EXPERIMENT = textwrap.dedent('''\
     """Experiments of a user's own package."""
@@ -21,6 +27,9 @@ EXPERIMENT = textwrap.dedent('''\
 
         hidden_dims = (16, 16)
     ''')
+
+
+RAISING = "RATE = 1\n\n\ndef scale():\n    return RATE / 0\n\n\nFACTOR = scale()\n"  # raises on line 5
 
 
 def run(*args, cwd, timeout=300):
@@ -85,3 +94,47 @@ def test_a_key_whose_module_is_not_installed_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "trainer.py: error: cannot import experiment module 'nowhere_pkg.experiments': no module named "
         "'nowhere_pkg'; install the package that holds it (pip install -e PATH) or fix the name"], result.stderr
+
+
+@pytest.fixture
+def raising_package(tmp_path):
+    """`raising_user_pkg`, whose module `mine` raises ZeroDivisionError on line 5 while it is imported; forgotten by
+    this process afterwards."""
+    (tmp_path / "raising_user_pkg").mkdir()
+    (tmp_path / "raising_user_pkg" / "__init__.py").write_text("")
+    (tmp_path / "raising_user_pkg" / "mine.py").write_text(RAISING)
+    yield tmp_path
+    for name in [m for m in sys.modules if m.partition(".")[0] == "raising_user_pkg"]:
+        del sys.modules[name]
+
+
+def expected_import_error(package):
+    return (f"trainer.py: error: experiment module 'raising_user_pkg.mine' failed to import: ZeroDivisionError: "
+            f"division by zero (at {package / 'raising_user_pkg' / 'mine.py'}:5); fix the module there, or run the "
+            "trainer with --traceback to see Python's traceback")
+
+
+def test_a_module_that_raises_at_import_is_one_line(raising_package):
+    # issue 35 item 6: a 29-line traceback before; now the module, the exception and its line, exit status 2.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(raising_package), ROOT])}
+    result = subprocess.run([sys.executable, "trainer.py", "--module=raising_user_pkg", "--list_models"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert one_error_line(result) == expected_import_error(raising_package)
+
+
+def test_traceback_flag_prints_the_module_traceback_before_the_line(raising_package, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(raising_package))
+    verbosity = logging.get_verbosity()
+    try:
+        with flagsaver.as_parsed(module=["raising_user_pkg"], list_models="true", traceback="true"):
+            with pytest.raises(SystemExit) as exited:
+                trainer_main.main(["trainer.py"])
+    finally:
+        logging.set_verbosity(verbosity)
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == expected_import_error(raising_package), lines
+    # Python's traceback of the error the module raised, down to its line, then the chain to the one line.
+    assert lines[0] == "Traceback (most recent call last):", lines
+    assert f'  File "{raising_package / "raising_user_pkg" / "mine.py"}", line 5, in scale' in lines, lines
+    assert "ZeroDivisionError: division by zero" in lines, lines

@@ -121,3 +121,34 @@ def test_two_experiments_of_one_name_in_one_module_are_an_error_naming_both(regi
     second = importlib.import_module("imported_twice").Wide
     assert second is not first and registry.get("imported_twice.Wide") is second
     monkeypatch.delitem(sys.modules, "imported_twice")
+
+
+def test_a_module_that_raises_at_import_is_one_error_naming_it_and_its_line(registry, tmp_path, monkeypatch):
+    # issue 35 item 6: the error names the module, the exception and the line of the user's package that raised.
+    package = tmp_path / "raisingpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mine.py").write_text("RATE = 1\n\n\ndef scale():\n    return RATE / 0\n\n\nFACTOR = scale()\n")
+    (tmp_path / "unclosed.py").write_text("import os\n\nX = (\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_USER_MODULES", [])
+    mine = package / "mine.py"
+    expected = (f"experiment module 'raisingpkg.mine' failed to import: ZeroDivisionError: division by zero (at "
+                f"{mine}:5); fix the module there, or run the trainer with --traceback to see Python's traceback")
+    try:
+        with pytest.raises(registry.RegistryError) as raised:
+            registry.import_modules(["raisingpkg.mine"])
+        assert str(raised.value) == expected
+        assert isinstance(raised.value.__cause__, ZeroDivisionError)  # the traceback --traceback prints
+        for call in (lambda: registry.import_modules(["raisingpkg"]),  # a package: each module below it is imported
+                     lambda: registry.get("raisingpkg.mine.Wider")):  # the key's module is imported the same way
+            with pytest.raises(registry.RegistryError) as raised:
+                call()
+            assert str(raised.value) == expected
+        with pytest.raises(registry.RegistryError,
+                           match=rf"'unclosed' failed to import: SyntaxError: .*\(at {tmp_path / 'unclosed.py'}:3\)"):
+            registry.import_modules(["unclosed"])
+        assert registry._USER_MODULES == []
+    finally:
+        for name in [m for m in sys.modules if m.partition(".")[0] == "raisingpkg"]:
+            del sys.modules[name]

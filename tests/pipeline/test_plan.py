@@ -14,8 +14,10 @@ import tensorflow as tf
 
 from gpipe_tf import experiment, inspection, model_registry
 from gpipe_tf.gpipe import placement, remat
+from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.plan import StagePlan, TimingRequiredError, make_plan
+from gpipe_tf.gpipe.schedules import step_order
 from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer
 from gpipe_tf.layers.linear import Linear
@@ -163,6 +165,39 @@ def test_bad_settings_name_value_allowed_values_and_fix(setting, expected):
     with pytest.raises(ParamsError) as error:
         make_plan(p, measure=lambda layers, spec: [1.0] * len(layers))
     assert expected in str(error.value)
+
+
+def plan_of(layers, num_stages, schedule):
+    p = GPipe.params().set(name="net", layers=linear_layers(layers), num_stages=num_stages, schedule=schedule)
+    return make_plan(p, chunk_devices=step_order(schedule, num_stages).devices_by_chunk, num_replicas=None)
+
+
+@pytest.mark.parametrize("layers,num_stages,v,expected,fixes", [
+    # issue 35 item 11: 2 layers under virtual_stages=3 advised "use num_stages <= 0".
+    (2, 2, 3, "net.num_stages=2 x schedule.virtual_stages=3 = 6 chunks must be between 1 and the number of layers "
+              "(2); 2 layers are too few for 3 chunks per device: use a schedule with one chunk per device "
+              "('fill_drain' or 'one_f_one_b') and num_stages <= 2", [(2, "fill_drain"), (2, "one_f_one_b")]),
+    (8, 4, 3, "net.num_stages=4 x schedule.virtual_stages=3 = 12 chunks must be between 1 and the number of layers "
+              "(8); use num_stages <= 2 or schedule.virtual_stages <= 2", [(2, 3), (4, 2)]),
+    (3, 1, 4, "net.num_stages=1 x schedule.virtual_stages=4 = 4 chunks must be between 1 and the number of layers "
+              "(3); use schedule.virtual_stages <= 3", [(1, 3)]),
+    (3, 2, 2, "net.num_stages=2 x schedule.virtual_stages=2 = 4 chunks must be between 1 and the number of layers "
+              "(3); use num_stages <= 1", [(1, 2)]),
+    (3, 2, "zero_bubble_v", "net.num_stages=2 x 2 chunks per device = 4 chunks must be between 1 and the number of "
+                            "layers (3); use num_stages <= 1", [(1, "zero_bubble_v")]),
+])
+def test_too_few_layers_for_the_chunks_advises_a_setting_that_plans(layers, num_stages, v, expected, fixes):
+    def schedule(value):
+        return Interleaved.params().set(virtual_stages=value) if isinstance(value, int) else value
+
+    with pytest.raises(ParamsError) as error:
+        plan_of(layers, num_stages, schedule(v))
+    assert str(error.value) == expected
+    for k, fix in fixes:  # each advised setting plans, and one more stage (or virtual stage) does not
+        assert plan_of(layers, k, schedule(fix)).num_chunks <= layers
+        more_k, more_fix = (k, fix + 1) if k == num_stages and isinstance(fix, int) else (k + 1, fix)
+        with pytest.raises(ParamsError):
+            plan_of(layers, more_k, schedule(more_fix))
 
 
 def test_micro_batch_shape_is_not_needed_with_an_explicit_balance():

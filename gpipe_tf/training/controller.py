@@ -250,8 +250,9 @@ class Controller:
                 self.log(f"note: train.keep_best_metric={tp.keep_best_metric!r} is kept by --mode=train_and_eval; "
                          "this mode does not evaluate, so logdir/best is not updated")
             else:
-                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, *self._best_metric,
-                                                      tp.keep_best_mode, self.log)
+                mode = keep_best.resolve_mode(self._best_metric[1], tp.keep_best_mode)
+                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, *self._best_metric, mode,
+                                                      self.log, chosen=tp.keep_best_mode)
         if step >= tp.max_steps:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")
             self._mark_done(step)

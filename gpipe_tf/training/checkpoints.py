@@ -210,21 +210,61 @@ def _short(e: BaseException) -> str:
 
 _TASK_PREFIX = "task/"
 _OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+# The optimizer's state in a trainer checkpoint (optimizer_base.Optimizer): its step counter and its slots, keyed
+# `optimizer/slots/<slot key>/<slot name>/.ATTRIBUTES/VARIABLE_VALUE`.
+_SLOTS_PREFIX = "optimizer/slots/"
+_ITERATIONS_KEY = "optimizer/iterations/.ATTRIBUTES/VARIABLE_VALUE"
+_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _saved_names(path: str) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """({checkpoint key: the saved variable's name}, {checkpoint key: shape}) of checkpoint `path`."""
+    reader = tf.train.load_checkpoint(path)
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
+    names = {attribute.checkpoint_key: attribute.full_name for node in graph.nodes for attribute in node.attributes}
+    return names, {key: list(shape) for key, shape in reader.get_variable_to_shape_map().items()}
 
 
 def source_variables(path: str) -> dict[str, tuple[str, list[int]]]:
     """The task variables of a trainer checkpoint: {variable name: (checkpoint key, shape)}."""
-    reader = tf.train.load_checkpoint(path)
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
-    shapes = reader.get_variable_to_shape_map()
-    out = {}
-    for node in graph.nodes:
-        for attribute in node.attributes:
-            key = attribute.checkpoint_key
-            if key.startswith(_TASK_PREFIX) and key in shapes and attribute.full_name:
-                out[attribute.full_name] = (key, list(shapes[key]))
-    return out
+    names, shapes = _saved_names(path)
+    return {name: (key, shapes[key]) for key, name in names.items()
+            if key.startswith(_TASK_PREFIX) and key in shapes and name}
+
+
+def optimizer_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
+    """How the optimizer slots of checkpoint `path` differ from those of `checkpoint.optimizer`, naming both
+    optimizers and the way on (None: the same slots, or `checkpoint` restores no optimizer).
+
+    Slots are compared by variable, name and shape: an optimizer whose slots another one saved (Adam's `m` and
+    `v`, Adafactor's `vr`, `vc`) cannot continue from them, and TensorFlow's matching would restore the slots that
+    happen to share a name (Adafactor's unfactored `v` from Adam's) and leave the others at their initial values.
+    """
+    optimizer = getattr(checkpoint, "optimizer", None)
+    own_slots = getattr(optimizer, "slots", None)
+    if own_slots is None:
+        return None
+    names, shapes = _saved_names(path)
+    saved = {key[len(_SLOTS_PREFIX):-len(_VALUE_SUFFIX)]: shape for key, shape in shapes.items()
+             if key.startswith(_SLOTS_PREFIX) and key.endswith(_VALUE_SUFFIX)}
+    # Checkpoint keys escape a '.' of an object's name as '..' (slot keys hold no '/').
+    own = {f"{key.replace('.', '..')}/{name}": slot.shape.as_list() for key, slots in own_slots.items()
+           for name, slot in slots.items()}
+    if saved == own:
+        return None
+    saved_name = names.get(_ITERATIONS_KEY, "").rsplit("/", 1)[0] or "of unknown name"
+    own_name = optimizer.p.name
+
+    def slot_names(layout: dict[str, list[int]]) -> str:
+        return ", ".join(sorted({key.rsplit("/", 1)[1] for key in layout})) or "none"
+
+    run_params = os.path.join(os.path.dirname(os.path.dirname(path)), "params.txt")
+    return (f"checkpoint {path} holds the slots of optimizer {saved_name} ({slot_names(saved)}), this run's optimizer "
+            f"{own_name} keeps others ({slot_names(own)}): the optimizer's slots differ from the checkpoint's, so its "
+            f"state cannot continue here; resume with the run's own optimizer ({saved_name}: train.optimizer as in "
+            f"{run_params}), or start a new run from these weights with {own_name}: a new --logdir and "
+            f"--params=train.init_from.checkpoint={path} (a fine-tune: docs/fine_tuning.md#another-optimizer)")
 
 
 def variable_name(variable: tf.Variable) -> str:
@@ -280,6 +320,9 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
     if mismatch:
         raise ConfigError(f"checkpoint {path} does not match this model ({mismatch}); use the --model of the run "
                           "that wrote it, or a new --logdir")
+    other_optimizer = optimizer_mismatch(checkpoint, path)
+    if other_optimizer:
+        raise ConfigError(other_optimizer)
     status = None
     try:
         status = checkpoint.restore(path)

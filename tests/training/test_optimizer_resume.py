@@ -1,7 +1,8 @@
 """Exact resume with AdamW, Adafactor and weight EMA: checkpoint, SIGKILL, restart equals one uninterrupted run.
 
 Each run is a real process (tests/helpers/optimizer_run.py) on a 2-stage float64 pipeline; every floating tensor of the
-final checkpoint (weights, optimizer slots, weight averages) must agree to 1e-10.
+final checkpoint (weights, optimizer slots, weight averages) must agree to 1e-10. A resume with an optimizer whose
+slots differ from the checkpoint's is refused in one line.
 """
 
 import os
@@ -13,6 +14,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from gpipe_tf import experiment
+from gpipe_tf.errors import ConfigError
+from gpipe_tf.training import logdir as logdir_lib
+from gpipe_tf.training.adafactor import Adafactor
+from gpipe_tf.training.controller import Controller
+from gpipe_tf.training.optimizers import AdamW
 from tests.helpers.paths import ROOT
 
 
@@ -51,3 +58,34 @@ def test_checkpoint_kill_restart_equals_one_uninterrupted_run(tmp_path, setup, s
     # The runs trained: the compared state is not the initialization.
     start = tf.train.load_checkpoint(str(tmp_path / "ref" / "checkpoints" / "ckpt-4"))
     assert any(not np.array_equal(start.get_tensor(n), ref.get_tensor(n)) for n in names if n.startswith("task/"))
+
+
+def test_a_resume_with_an_optimizer_of_other_slots_is_refused_naming_both_and_the_way_on(tmp_path):
+    logdir = str(tmp_path)
+    p, _ = experiment.resolve_params("toy.classifier.BlobsMlp",
+                                     overrides="train.max_steps=2,train.save_interval_steps=2")
+    logdir_lib.prepare(logdir, p)
+    Controller(p, logdir, log=lambda line: None).train()
+    path = f"{logdir}/checkpoints/ckpt-2"
+    factored = Adafactor.params().set(min_dim_size_to_factor=8)  # the matrices' second moments as vr and vc
+    for optimizer, slots in ((Adafactor.params(), "v"), (factored, "v, vc, vr")):
+        other = p.copy()
+        other.train.optimizer = optimizer
+        with pytest.raises(ConfigError) as refused:
+            Controller(other.freeze(), logdir, log=lambda line: None).restore()
+        assert str(refused.value) == (
+            f"checkpoint {path} holds the slots of optimizer adam (m, v), this run's optimizer adafactor keeps others "
+            f"({slots}): the optimizer's slots differ from the checkpoint's, so its state cannot continue here; resume "
+            f"with the run's own optimizer (adam: train.optimizer as in {logdir}/params.txt), or start a new run from "
+            f"these weights with adafactor: a new --logdir and --params=train.init_from.checkpoint={path} (a "
+            "fine-tune: docs/fine_tuning.md#another-optimizer)")
+    # AdamW keeps Adam's slots (its weight decay never enters them): it continues from them.
+    other = p.copy()
+    other.train.optimizer = AdamW.params()
+    controller = Controller(other.freeze(), logdir, log=lambda line: None)
+    assert controller.restore() == path
+    reader = tf.train.load_checkpoint(path)
+    for (key, slots), var in zip(controller.learner.optimizer.slots.items(), controller.learner.variables_to_train):
+        for name, slot in slots.items():
+            saved = reader.get_tensor(f"optimizer/slots/{key.replace('.', '..')}/{name}/.ATTRIBUTES/VARIABLE_VALUE")
+            np.testing.assert_array_equal(slot.numpy(), saved, err_msg=f"{var.name} {name}")

@@ -34,10 +34,13 @@ from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner, describe_precision
 from gpipe_tf.training.replicas import ReplicaLayout, replica_home_devices
 from gpipe_tf.training.summaries import SummaryWriter
+from gpipe_tf.training.zero_gradients import ZeroGradientWatch, stages_of
 
 DONE_FILE = "TRAINING_DONE"
+# Step outputs that are masks over the trained variables, not numbers.
+_MASK_KEYS = ("nonfinite_gradients", "zero_gradients")
 # Step outputs that are flags, not scalars to summarize.
-_STATUS_KEYS = ("nonfinite", "nonfinite_gradients", "stop")
+_STATUS_KEYS = ("nonfinite", "stop", *_MASK_KEYS)
 # At most this many variable names in a message.
 _NAMES_SHOWN = 4
 
@@ -191,6 +194,10 @@ class Controller:
                               f"{self.layout.num_replicas} data-parallel replicas; use a multiple of "
                               f"{self.layout.num_replicas} (each replica gets an equal slice)")
         self.learner = Learner(self.task, tp, self.layout)
+        scaling = self.learner.loss_scale
+        self._zero_watch = ZeroGradientWatch(
+            stages_of(self.task, self.learner.variables_to_train), self.learner.gradient_names(),
+            "none" if scaling is None else "dynamic" if scaling.dynamic else "fixed", tp.loss_scale)
         self.train_input = self.params.input.train.instantiate()
         self.train_iterator = iter(self.train_input.dataset())
         state = dict(task=self.task, optimizer=self.learner.optimizer, global_step=self.learner.global_step,
@@ -302,6 +309,8 @@ class Controller:
             else:
                 self._skipped_in_a_row = 0
                 self._finite_since_checkpoint += 1
+            for warning in self._zero_watch.observe(step, metrics["zero_gradients"].numpy()):
+                self.log(warning)
             now = self.clock()
             if steady_step is None:
                 first = now - start_time
@@ -341,7 +350,7 @@ class Controller:
                          else "a signal to another worker")
                 saved = "checkpoint saved" if self.layout.is_chief else "the chief saved a checkpoint"
                 self.log(f"stopped by {cause} at step {step}; {saved}, run again to resume")
-                return {k: float(v) for k, v in metrics.items() if k != "nonfinite_gradients"}
+                return {k: float(v) for k, v in metrics.items() if k not in _MASK_KEYS}
         if evaluate_every is not None and self.layout.is_chief:
             self._evaluate_current(step)
         self._mark_done(step)
@@ -350,7 +359,7 @@ class Controller:
         self.progress(f"done: step {step}/{tp.max_steps}, {step - start_step} steps{skipped} in "
                       f"{progress.format_duration(self._trace_secs + self.clock() - start_time)} (compilation "
                       f"included); last checkpoint {self._last_checkpoint()}")
-        return {k: float(v) for k, v in metrics.items() if k != "nonfinite_gradients"}
+        return {k: float(v) for k, v in metrics.items() if k not in _MASK_KEYS}
 
     def _nonfinite(self, step: int, metrics: dict[str, Any], steps_run: int) -> None:
         bad = [name for name, b in zip(self.learner.gradient_names(), metrics["nonfinite_gradients"].numpy()) if b]

@@ -161,6 +161,10 @@ class Learner(tf.Module):
         # first), so the controller can stop or go on with a deterministic message.
         finite = [tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
         grads_ok = tf.stack(finite) if finite else tf.ones([0], tf.bool)
+        # Every element exactly zero (float16 underflow, or no path from the loss): zero_gradients.ZeroGradientWatch.
+        zero = [tf.constant(True) if g is None else tf.logical_not(tf.reduce_any(tf.not_equal(
+            g.values if isinstance(g, tf.IndexedSlices) else g, 0))) for g in grads]
+        grads_zero = tf.stack(zero) if zero else tf.ones([0], tf.bool)
         all_finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(loss)), tf.reduce_all(grads_ok))
         report_nonfinite = tf.logical_not(all_finite)
         if self.loss_scale is not None:
@@ -188,7 +192,8 @@ class Learner(tf.Module):
         out = {name: tf.cast(value, tf.float32) for name, (value, _) in metrics.items()}
         out.update(loss=tf.cast(loss, tf.float32), grad_norm=tf.cast(grad_norm, tf.float32), learning_rate=lr,
                    var_norm=tf.cast(tf.linalg.global_norm(self.variables_to_train), tf.float32),
-                   nonfinite=report_nonfinite, nonfinite_gradients=tf.logical_not(grads_ok), stop=stop)
+                   nonfinite=report_nonfinite, nonfinite_gradients=tf.logical_not(grads_ok),
+                   zero_gradients=grads_zero, stop=stop)
         if self.loss_scale is not None:
             out.update(loss_scale=self.loss_scale.scale.read_value(),
                        skipped_steps=tf.cast(self.loss_scale.skipped_steps.read_value(), tf.float32))

@@ -166,7 +166,10 @@ class Controller:
                          "a save that was interrupted (no complete checkpoint is among them)")
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
-        self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log)
+        # The weight averages, when kept, are restored by weight_ema.resume below.
+        averages = (weight_ema.CHECKPOINT_KEY,) if self._restorable is not self.checkpoint else ()
+        self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log,
+                                                    read_elsewhere=averages)
         if self._restored and self._restorable is not self.checkpoint:
             # The checkpoint that saves is another object than the one restored (see _build_training): it carries
             # the save count on, so that a resumed run writes what an uninterrupted one would.

@@ -8,8 +8,8 @@ stage (a dead ReLU layer, a stop_gradient).
 
 The learner reports, per step, which gradients are all zero (`Learner.train_step`'s `zero_gradients` mask); the
 controller feeds the mask to `ZeroGradientWatch`, which groups the variables by stage and warns once per stage when
-its gradients were all zero for `STEPS_IN_A_ROW` applied steps in a row, and again only after a step with a
-non-zero gradient.
+its gradients were all zero for `STEPS_IN_A_ROW` steps in a row (a skipped non-finite step breaks the row), and
+again only after a step with a non-zero gradient.
 """
 
 from __future__ import annotations

@@ -86,6 +86,10 @@ def test_the_default_mode_follows_the_metrics_name(metric, mode):
     assert keep_best.resolve_mode(metric, "max") == "max" and keep_best.resolve_mode(metric, "min") == "min"
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_resume_console.py::test_keep_best_on_a_loss_keeps_the_lowest_and_says_so",
+    "tests/training/test_keep_best.py::test_the_default_mode_follows_the_metrics_name",
+))
 def test_a_loss_metric_with_the_default_mode_keeps_the_lowest_and_says_so(tmp_path):
     logdir = str(tmp_path)
     lines = train_and_eval(logdir, params(20, "dev/loss"))

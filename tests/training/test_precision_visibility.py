@@ -13,7 +13,6 @@ from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
 from gpipe_tf.training.learner import Learner, describe_precision
 from gpipe_tf.training.loss_scale import loss_scale_params
-from tests.helpers import tiers
 from tests.helpers.event_files import session_hparams
 from tests.helpers.paths import ROOT
 
@@ -96,7 +95,11 @@ def test_the_watch_warns_once_per_run_of_zero_steps_naming_the_stage_and_the_fix
         "(docs/precision.md#float16-and-loss-scaling)")
 
 
-@pytest.mark.parametrize("loss_scale", tiers.sample(["none", "dynamic"], keep=["none"]))
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_resume_console.py::test_float16_gradients_that_underflow_are_named_with_the_fix",
+    "tests/training/test_precision_visibility.py::test_the_watch_warns_once_per_run_of_zero_steps_naming_the_stage_and_the_fix",
+))
+@pytest.mark.parametrize("loss_scale", ["none", "dynamic"])
 def test_float16_gradients_that_underflow_in_training_are_named_and_loss_scaling_cures_them(tmp_path, loss_scale):
     # A softmax with tiny weights sends float16 gradients below 6e-8 into the pipeline: they round to zero there
     # (the learning rate keeps the weights tiny, so it stays so for every step).

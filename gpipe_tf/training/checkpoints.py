@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import tensorflow as tf
 from google.protobuf import text_format
 from tensorflow.core.protobuf import trackable_object_graph_pb2
+from tensorflow.python.training import checkpoint_state_pb2  # the state file's proto; TensorFlow exports no alias
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.training.logdir import CHECKPOINT_DIR
@@ -64,20 +65,32 @@ def checkpoint_paths(logdir: str) -> list[str]:
 
 
 def state_file_problem(logdir: str) -> str | None:
-    """Why the state file does not describe the checkpoints on disk (None: it does, or there are none)."""
+    """Why the state file does not describe the checkpoints on disk (None: it does, or there are none).
+
+    The file is parsed here, not by `tf.train.get_checkpoint_state`, which logs two lines of its own for a damaged
+    one ("ParseError: ...", "Checkpoint ignored") beside the one warning the caller prints.
+    """
     paths = checkpoint_paths(logdir)
     if not paths:
         return None
     path = os.path.join(checkpoint_dir(logdir), STATE_FILE)
     try:
-        state = tf.train.get_checkpoint_state(checkpoint_dir(logdir))
-    except (ValueError, UnicodeDecodeError, text_format.ParseError, tf.errors.OpError) as e:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except (OSError, UnicodeDecodeError) as e:
         return f"{path} is unreadable ({_short(e)})"
-    if state is None:
-        return f"{path} is missing" if not os.path.exists(path) else f"{path} cannot be parsed (empty, cut or garbage)"
-    named = os.path.basename(state.model_checkpoint_path or "")
+    state = checkpoint_state_pb2.CheckpointState()
+    try:
+        text_format.Merge(text, state)  # as TensorFlow reads it
+    except text_format.ParseError:
+        return f"{path} cannot be parsed (empty, cut or garbage)"
+    if not state.model_checkpoint_path:
+        return f"{path} names no checkpoint (empty, cut or garbage)"
+    named = os.path.basename(state.model_checkpoint_path)
     if named != os.path.basename(paths[-1]):
-        return f"{path} names {named or 'no checkpoint'!r} but {os.path.basename(paths[-1])} is the newest on disk"
+        return f"{path} names {named!r} but {os.path.basename(paths[-1])} is the newest on disk"
     return None
 
 
@@ -94,12 +107,13 @@ def unreadable_reason(path: str) -> str | None:
 
 
 def restore_latest(checkpoint: tf.train.Checkpoint, logdir: str, partial: bool = False,
-                   warn: Callable[[str], None] = print) -> str | None:
+                   warn: Callable[[str], None] = print, read_elsewhere: Collection[str] = ()) -> str | None:
     """Restores the newest checkpoint that restores completely; returns its path (None: there is none).
 
     Checkpoints are found by listing the files (a damaged state file is named in a warning). A damaged newest
     checkpoint (a crash or a full disk while it was written, a deleted file) is named in a warning and the previous
-    one is tried. `partial` allows objects of the checkpoint to be left unread (an evaluator reads the model only).
+    one is tried. `partial` allows objects of the checkpoint to be left unread (an evaluator reads the model only);
+    `read_elsewhere` names those the caller reads itself (`restore`).
     Raises ConfigError when checkpoints exist but none restores, and for a checkpoint of another model.
     """
     problem = state_file_problem(logdir)
@@ -120,7 +134,7 @@ def restore_latest(checkpoint: tf.train.Checkpoint, logdir: str, partial: bool =
             reason = unreadable_reason(path)
             if reason is None:
                 try:
-                    restore(checkpoint, path, partial)
+                    restore(checkpoint, path, partial, read_elsewhere)
                     return path
                 except _CORRUPT as e:
                     reason = _short(e)
@@ -210,21 +224,74 @@ def _short(e: BaseException) -> str:
 
 _TASK_PREFIX = "task/"
 _OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+# The optimizer's state in a trainer checkpoint (optimizer_base.Optimizer): its step counter and its slots, keyed
+# `optimizer/slots/<slot key>/<slot name>/.ATTRIBUTES/VARIABLE_VALUE`.
+_SLOTS_PREFIX = "optimizer/slots/"
+_ITERATIONS_KEY = "optimizer/iterations/.ATTRIBUTES/VARIABLE_VALUE"
+_VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _object_graph(path: str) -> tuple[trackable_object_graph_pb2.TrackableObjectGraph, dict[str, list[int]]]:
+    """The saved object graph of checkpoint `path` and its values' shapes by checkpoint key."""
+    reader = tf.train.load_checkpoint(path)
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
+    return graph, {key: list(shape) for key, shape in reader.get_variable_to_shape_map().items()}
+
+
+def _saved_names(path: str) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """({checkpoint key: the saved variable's name}, {checkpoint key: shape}) of checkpoint `path`."""
+    graph, shapes = _object_graph(path)
+    names = {attribute.checkpoint_key: attribute.full_name for node in graph.nodes for attribute in node.attributes}
+    return names, shapes
+
+
+def _unmatched_objects(checkpoint: tf.train.Checkpoint, path: str) -> set[str]:
+    """The names of the objects saved at the top of checkpoint `path` (task, optimizer, ema, ...) that `checkpoint`
+    has none of."""
+    graph, _ = _object_graph(path)
+    return {child.local_name for child in graph.nodes[0].children if not hasattr(checkpoint, child.local_name)}
 
 
 def source_variables(path: str) -> dict[str, tuple[str, list[int]]]:
     """The task variables of a trainer checkpoint: {variable name: (checkpoint key, shape)}."""
-    reader = tf.train.load_checkpoint(path)
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
-    shapes = reader.get_variable_to_shape_map()
-    out = {}
-    for node in graph.nodes:
-        for attribute in node.attributes:
-            key = attribute.checkpoint_key
-            if key.startswith(_TASK_PREFIX) and key in shapes and attribute.full_name:
-                out[attribute.full_name] = (key, list(shapes[key]))
-    return out
+    names, shapes = _saved_names(path)
+    return {name: (key, shapes[key]) for key, name in names.items()
+            if key.startswith(_TASK_PREFIX) and key in shapes and name}
+
+
+def optimizer_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
+    """How the optimizer slots of checkpoint `path` differ from those of `checkpoint.optimizer`, naming both
+    optimizers and the way on (None: the same slots, or `checkpoint` restores no optimizer).
+
+    Slots are compared by variable, name and shape: an optimizer whose slots another one saved (Adam's `m` and
+    `v`, Adafactor's `vr`, `vc`) cannot continue from them, and TensorFlow's matching would restore the slots that
+    happen to share a name (Adafactor's unfactored `v` from Adam's) and leave the others at their initial values.
+    """
+    optimizer = getattr(checkpoint, "optimizer", None)
+    own_slots = getattr(optimizer, "slots", None)
+    if own_slots is None:
+        return None
+    names, shapes = _saved_names(path)
+    saved = {key[len(_SLOTS_PREFIX):-len(_VALUE_SUFFIX)]: shape for key, shape in shapes.items()
+             if key.startswith(_SLOTS_PREFIX) and key.endswith(_VALUE_SUFFIX)}
+    # Checkpoint keys escape a '.' of an object's name as '..' (slot keys hold no '/').
+    own = {f"{key.replace('.', '..')}/{name}": slot.shape.as_list() for key, slots in own_slots.items()
+           for name, slot in slots.items()}
+    if saved == own:
+        return None
+    saved_name = names.get(_ITERATIONS_KEY, "").rsplit("/", 1)[0] or "of unknown name"
+    own_name = optimizer.p.name
+
+    def slot_names(layout: dict[str, list[int]]) -> str:
+        return ", ".join(sorted({key.rsplit("/", 1)[1] for key in layout})) or "none"
+
+    run_params = os.path.join(os.path.dirname(os.path.dirname(path)), "params.txt")
+    return (f"checkpoint {path} holds the slots of optimizer {saved_name} ({slot_names(saved)}), this run's optimizer "
+            f"{own_name} keeps others ({slot_names(own)}): the optimizer's slots differ from the checkpoint's, so its "
+            f"state cannot continue here; resume with the run's own optimizer ({saved_name}: train.optimizer as in "
+            f"{run_params}), or start a new run from these weights with {own_name}: a new --logdir and "
+            f"--params=train.init_from.checkpoint={path} (a fine-tune: docs/fine_tuning.md#another-optimizer)")
 
 
 def variable_name(variable: tf.Variable) -> str:
@@ -274,12 +341,23 @@ def _model_of(params_file: str) -> str | None:
     return None
 
 
-def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -> None:
-    """Restores `path` into `checkpoint`; a checkpoint of another model raises ConfigError."""
+def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False,
+            read_elsewhere: Collection[str] = ()) -> None:
+    """Restores `path` into `checkpoint`; a checkpoint of another model raises ConfigError.
+
+    `read_elsewhere`: objects of the checkpoint (by their top-level name) that the caller restores through another
+    checkpoint object, such as the trainer's weight averages (weight_ema.resume). When they are all that `checkpoint`
+    leaves unread, TensorFlow is told so: otherwise it logs, when the objects are dropped, one line per value of
+    theirs claiming it "could not be found". The values inside the objects both hold are compared before
+    (model_mismatch, optimizer_mismatch).
+    """
     mismatch = model_mismatch(checkpoint, path)
     if mismatch:
         raise ConfigError(f"checkpoint {path} does not match this model ({mismatch}); use the --model of the run "
                           "that wrote it, or a new --logdir")
+    other_optimizer = optimizer_mismatch(checkpoint, path)
+    if other_optimizer:
+        raise ConfigError(other_optimizer)
     status = None
     try:
         status = checkpoint.restore(path)
@@ -287,6 +365,8 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
             status.expect_partial()
         else:
             status.assert_existing_objects_matched()
+            if read_elsewhere and _unmatched_objects(checkpoint, path) <= set(read_elsewhere):
+                status.expect_partial()
     except (tf.errors.InvalidArgumentError, ValueError, AssertionError) as e:
         if status is not None:
             status.expect_partial()  # no warning per unrestored value when the objects are dropped

@@ -34,10 +34,13 @@ from gpipe_tf.training.evaluator import Evaluator
 from gpipe_tf.training.learner import Learner, describe_precision
 from gpipe_tf.training.replicas import ReplicaLayout, replica_home_devices
 from gpipe_tf.training.summaries import SummaryWriter
+from gpipe_tf.training.zero_gradients import ZeroGradientWatch, stages_of
 
 DONE_FILE = "TRAINING_DONE"
+# Step outputs that are masks over the trained variables, not numbers.
+_MASK_KEYS = ("nonfinite_gradients", "zero_gradients")
 # Step outputs that are flags, not scalars to summarize.
-_STATUS_KEYS = ("nonfinite", "nonfinite_gradients", "stop")
+_STATUS_KEYS = ("nonfinite", "stop", *_MASK_KEYS)
 # At most this many variable names in a message.
 _NAMES_SHOWN = 4
 
@@ -163,7 +166,10 @@ class Controller:
                          "a save that was interrupted (no complete checkpoint is among them)")
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
-        self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log)
+        # The weight averages, when kept, are restored by weight_ema.resume below.
+        averages = (weight_ema.CHECKPOINT_KEY,) if self._restorable is not self.checkpoint else ()
+        self._restored = checkpoints.restore_latest(self._restorable, self.logdir, warn=self.log,
+                                                    read_elsewhere=averages)
         if self._restored and self._restorable is not self.checkpoint:
             # The checkpoint that saves is another object than the one restored (see _build_training): it carries
             # the save count on, so that a resumed run writes what an uninterrupted one would.
@@ -191,6 +197,10 @@ class Controller:
                               f"{self.layout.num_replicas} data-parallel replicas; use a multiple of "
                               f"{self.layout.num_replicas} (each replica gets an equal slice)")
         self.learner = Learner(self.task, tp, self.layout)
+        scaling = self.learner.loss_scale
+        self._zero_watch = ZeroGradientWatch(
+            stages_of(self.task, self.learner.variables_to_train), self.learner.gradient_names(),
+            "none" if scaling is None else "dynamic" if scaling.dynamic else "fixed", tp.loss_scale)
         self.train_input = self.params.input.train.instantiate()
         self.train_iterator = iter(self.train_input.dataset())
         state = dict(task=self.task, optimizer=self.learner.optimizer, global_step=self.learner.global_step,
@@ -250,8 +260,9 @@ class Controller:
                 self.log(f"note: train.keep_best_metric={tp.keep_best_metric!r} is kept by --mode=train_and_eval; "
                          "this mode does not evaluate, so logdir/best is not updated")
             else:
-                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, *self._best_metric,
-                                                      tp.keep_best_mode, self.log)
+                mode = keep_best.resolve_mode(self._best_metric[1], tp.keep_best_mode)
+                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, *self._best_metric, mode,
+                                                      self.log, chosen=tp.keep_best_mode)
         if step >= tp.max_steps:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")
             self._mark_done(step)
@@ -301,6 +312,8 @@ class Controller:
             else:
                 self._skipped_in_a_row = 0
                 self._finite_since_checkpoint += 1
+            for warning in self._zero_watch.observe(step, metrics["zero_gradients"].numpy()):
+                self.log(warning)
             now = self.clock()
             if steady_step is None:
                 first = now - start_time
@@ -340,7 +353,7 @@ class Controller:
                          else "a signal to another worker")
                 saved = "checkpoint saved" if self.layout.is_chief else "the chief saved a checkpoint"
                 self.log(f"stopped by {cause} at step {step}; {saved}, run again to resume")
-                return {k: float(v) for k, v in metrics.items() if k != "nonfinite_gradients"}
+                return {k: float(v) for k, v in metrics.items() if k not in _MASK_KEYS}
         if evaluate_every is not None and self.layout.is_chief:
             self._evaluate_current(step)
         self._mark_done(step)
@@ -349,7 +362,7 @@ class Controller:
         self.progress(f"done: step {step}/{tp.max_steps}, {step - start_step} steps{skipped} in "
                       f"{progress.format_duration(self._trace_secs + self.clock() - start_time)} (compilation "
                       f"included); last checkpoint {self._last_checkpoint()}")
-        return {k: float(v) for k, v in metrics.items() if k != "nonfinite_gradients"}
+        return {k: float(v) for k, v in metrics.items() if k not in _MASK_KEYS}
 
     def _nonfinite(self, step: int, metrics: dict[str, Any], steps_run: int) -> None:
         bad = [name for name, b in zip(self.learner.gradient_names(), metrics["nonfinite_gradients"].numpy()) if b]

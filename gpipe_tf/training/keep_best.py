@@ -1,8 +1,10 @@
 """Keep-best checkpoint: the training state with the best value of a chosen eval metric, in logdir/best.
 
-`--mode=train_and_eval` with `train.keep_best_metric` (e.g. 'accuracy', or 'dev/loss' with train.keep_best_mode
-'min') saves the full training checkpoint to logdir/best/checkpoints/ckpt-<step> whenever an evaluation beats the
-best value so far (strictly), and replaces the previous one. logdir/best/best.json records the metric, the mode,
+`--mode=train_and_eval` with `train.keep_best_metric` (e.g. 'accuracy' or 'dev/loss') saves the full training
+checkpoint to logdir/best/checkpoints/ckpt-<step> whenever an evaluation beats the best value so far (strictly), and
+replaces the previous one. Which way is better is `train.keep_best_mode`; its default 'auto' reads it from the
+metric's name (`resolve_mode`), so that 'dev/loss' keeps the lowest loss, never the highest, and the run says which
+way it chose. logdir/best/best.json records the metric, the mode,
 the value and the step, so a resumed run keeps comparing against the best of the runs before it. The directory
 is laid out as a run's logdir: `--checkpoint=LOGDIR/best` evaluates, decodes or exports the best checkpoint.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
@@ -21,6 +24,11 @@ from gpipe_tf.training import checkpoints
 
 BEST_DIR = "best"
 RECORD_FILE = "best.json"
+MODES = ("auto", "max", "min")
+# Words of a metric name (split at '/', '_', '-', '.') that mean lower is better: train.keep_best_mode=auto takes
+# 'min' for such a metric and 'max' for any other (accuracy, BLEU, chrF, exact match).
+LOWER_IS_BETTER = frozenset({"loss", "xent", "nll", "perplexity", "pplx", "ppl", "error", "err", "wer", "cer", "ter",
+                             "mse", "mae", "rmse"})
 
 
 def best_dir(logdir: str) -> str:
@@ -47,11 +55,38 @@ def parse_metric(spec: str, datasets: Sequence[str], metric_names: Sequence[str]
     return dataset, metric
 
 
+def resolve_mode(metric: str, mode: str) -> str:
+    """'max' or 'min' for train.keep_best_metric `metric` and train.keep_best_mode `mode` ('auto': 'min' when a word
+    of the metric's name is in LOWER_IS_BETTER, e.g. 'dev/loss', 'log_pplx', 'error_rate'; else 'max')."""
+    if mode != "auto":
+        return mode
+    words = re.split(r"[/_.\-]+", metric.lower())
+    return "min" if LOWER_IS_BETTER.intersection(words) else "max"
+
+
+def describe(name: str, mode: str, chosen: str, directory: str) -> str:
+    """The console line saying which evaluation is kept: of `name` (dataset/metric) the lowest or highest (`mode`),
+    why (`chosen`, the train.keep_best_mode set) and where (`directory`)."""
+    way, other = ("lowest", "max") if mode == "min" else ("highest", "min")
+    if chosen == "auto":
+        reason = ("the metric's name says lower is better" if mode == "min"
+                  else "the metric's name names no loss, error or perplexity")
+        why = f"train.keep_best_mode=auto chose {mode}: {reason}; set train.keep_best_mode={other} for the other way"
+    else:
+        why = f"train.keep_best_mode={chosen}"
+    return f"keep-best: the checkpoint of the {way} {name} is kept in {directory} ({why})"
+
+
 class BestCheckpoint:
-    """Saves `checkpoint` to logdir/best when an evaluation improves the chosen metric."""
+    """Saves `checkpoint` to logdir/best when an evaluation improves the chosen metric.
+
+    `mode`: 'max' or 'min' (`resolve_mode`); `chosen`: the train.keep_best_mode it came from, named on the console.
+    """
 
     def __init__(self, checkpoint: tf.train.Checkpoint, logdir: str, dataset: str, metric: str, mode: str,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], chosen: str = "") -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"BestCheckpoint needs mode 'max' or 'min' (keep_best.resolve_mode), got {mode!r}")
         self.dataset, self.metric, self.mode = dataset, metric, mode
         self.name = f"{dataset}/{metric}"
         self.log = log
@@ -59,6 +94,7 @@ class BestCheckpoint:
         self.record_path = os.path.join(self.directory, RECORD_FILE)
         self.manager = checkpoints.make_manager(checkpoint, self.directory, max_to_keep=1)
         self.best = self._read_record()
+        self.log(describe(self.name, mode, chosen or mode, self.directory))
 
     def _read_record(self) -> dict | None:
         """The record of earlier runs, if it is about the same metric and mode (else the best restarts)."""

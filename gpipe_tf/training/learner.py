@@ -15,7 +15,7 @@ from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.tasks.base_task import BaseTask, Metrics
-from gpipe_tf.training import init_from, lr_schedules, optimizers
+from gpipe_tf.training import init_from, keep_best, lr_schedules, optimizers
 from gpipe_tf.training import loss_scale as loss_scale_lib
 from gpipe_tf.training import weight_ema as weight_ema_lib
 from gpipe_tf.training.replicas import ReplicaLayout
@@ -34,8 +34,9 @@ def training_params() -> Params:
              "evaluation, decoding and export use the averaged weights (docs/experiments.md#weight-averages).")
     p.define("keep_best_metric", "", "--mode=train_and_eval: keep the checkpoint with the best value of this eval "
              "metric in logdir/best ('accuracy': of the first eval dataset; 'dev/loss': of dataset dev); '' off.")
-    p.define("keep_best_mode", "max", "'max' (e.g. accuracy) or 'min' (e.g. loss): which way keep_best_metric is "
-             "better.")
+    p.define("keep_best_mode", "auto", "Which way keep_best_metric is better: 'max' (e.g. accuracy), 'min' (e.g. "
+             "loss) or 'auto': 'min' for a metric named like a loss, error or perplexity (keep_best.LOWER_IS_BETTER), "
+             "else 'max'.")
     p.define("clip_gradient_norm", 0.0, "Clip gradients to this global norm; 0 disables clipping.")
     p.define("seed", 1, "The run seed: dropout at step s uses the stateless seed (seed, s), and any value but 1 also "
              "derives task.seed (initialization) and input.train.seed (data order) unless --params sets them "
@@ -82,9 +83,10 @@ def check_training_params(tp: Params) -> None:
         raise ParamsError(f"train.learning_rate={tp.learning_rate!r} must be >= 0")
     loss_scale_lib.check_loss_scale_params(tp.loss_scale)
     weight_ema_lib.check_decay(tp.ema_decay)
-    if tp.keep_best_mode not in ("max", "min"):
-        raise ParamsError(f"train.keep_best_mode={tp.keep_best_mode!r} must be 'max' or 'min'; set "
-                          "--params=train.keep_best_mode=min for a metric such as loss")
+    if tp.keep_best_mode not in keep_best.MODES:
+        raise ParamsError(f"train.keep_best_mode={tp.keep_best_mode!r} must be one of {', '.join(keep_best.MODES)}; "
+                          "set --params=train.keep_best_mode=min for a metric such as loss, or auto to choose by "
+                          "the metric's name")
     if not isinstance(tp.keep_best_metric, str):
         raise ParamsError(f"train.keep_best_metric={tp.keep_best_metric!r} must be a metric name such as "
                           "'accuracy' or 'dev/accuracy', or '' (off)")
@@ -159,6 +161,10 @@ class Learner(tf.Module):
         # first), so the controller can stop or go on with a deterministic message.
         finite = [tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
         grads_ok = tf.stack(finite) if finite else tf.ones([0], tf.bool)
+        # Every element exactly zero (float16 underflow, or no path from the loss): zero_gradients.ZeroGradientWatch.
+        zero = [tf.constant(True) if g is None else tf.logical_not(tf.reduce_any(tf.not_equal(
+            g.values if isinstance(g, tf.IndexedSlices) else g, 0))) for g in grads]
+        grads_zero = tf.stack(zero) if zero else tf.ones([0], tf.bool)
         all_finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(loss)), tf.reduce_all(grads_ok))
         report_nonfinite = tf.logical_not(all_finite)
         if self.loss_scale is not None:
@@ -186,7 +192,8 @@ class Learner(tf.Module):
         out = {name: tf.cast(value, tf.float32) for name, (value, _) in metrics.items()}
         out.update(loss=tf.cast(loss, tf.float32), grad_norm=tf.cast(grad_norm, tf.float32), learning_rate=lr,
                    var_norm=tf.cast(tf.linalg.global_norm(self.variables_to_train), tf.float32),
-                   nonfinite=report_nonfinite, nonfinite_gradients=tf.logical_not(grads_ok), stop=stop)
+                   nonfinite=report_nonfinite, nonfinite_gradients=tf.logical_not(grads_ok),
+                   zero_gradients=grads_zero, stop=stop)
         if self.loss_scale is not None:
             out.update(loss_scale=self.loss_scale.scale.read_value(),
                        skipped_steps=tf.cast(self.loss_scale.skipped_steps.read_value(), tf.float32))

@@ -94,6 +94,7 @@ def test_a_damaged_state_file_is_named_and_training_resumes_from_the_newest_chec
     result = trainer(f"--logdir={run_copy}", "--max_steps=35", f"--params={EVERY_10}", "--quiet")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"warning: {os.path.join(run_copy, 'checkpoints', 'checkpoint')} " in result.stdout
+    assert result.stderr == ""  # that warning only: no TensorFlow log lines about the same file
     assert f"resumed from {ckpt(run_copy, 30)} at step 30" in result.stdout  # 0 steps lost
     after = snapshot(run_copy)
     assert all(after[name] == data for name, data in before.items() if name != "params.txt")

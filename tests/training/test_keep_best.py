@@ -12,6 +12,7 @@ import tensorflow as tf
 from gpipe_tf import experiment
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.training import keep_best
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
 from gpipe_tf.training.summaries import read_scalars
@@ -20,10 +21,12 @@ from tests.helpers.paths import ROOT
 KEY = "toy.classifier.BlobsMlp"
 
 
-def params(max_steps, metric, mode):
+def params(max_steps, metric, mode=None):
+    """train_and_eval Params evaluating every 5 steps; `mode` None leaves train.keep_best_mode at its default."""
     p, _ = experiment.resolve_params(KEY, overrides=(
         f"train.max_steps={max_steps},train.eval_interval_steps=5,train.save_interval_steps=5,"
-        f"train.max_checkpoints_to_keep=20,train.keep_best_metric={metric},train.keep_best_mode={mode}"))
+        f"train.max_checkpoints_to_keep=20,train.keep_best_metric={metric}"
+        + ("" if mode is None else f",train.keep_best_mode={mode}")))
     return p
 
 
@@ -75,6 +78,33 @@ def test_best_checkpoint_is_the_best_evaluation_and_survives_a_resume(tmp_path, 
     assert by_step[step][dataset][name] == pytest.approx(record["value"], rel=1e-6)
 
 
+@pytest.mark.parametrize("metric,mode", [("loss", "min"), ("log_pplx", "min"), ("error_rate", "min"), ("WER", "min"),
+                                         ("accuracy", "max"), ("token_accuracy", "max"), ("bleu", "max"),
+                                         ("chrf", "max"), ("exact_match", "max"), ("interpreter", "max")])
+def test_the_default_mode_follows_the_metrics_name(metric, mode):
+    assert keep_best.resolve_mode(metric, "auto") == mode
+    assert keep_best.resolve_mode(metric, "max") == "max" and keep_best.resolve_mode(metric, "min") == "min"
+
+
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_resume_console.py::test_keep_best_on_a_loss_keeps_the_lowest_and_says_so",
+    "tests/training/test_keep_best.py::test_the_default_mode_follows_the_metrics_name",
+))
+def test_a_loss_metric_with_the_default_mode_keeps_the_lowest_and_says_so(tmp_path):
+    logdir = str(tmp_path)
+    lines = train_and_eval(logdir, params(20, "dev/loss"))
+    lowest, _ = best_of(logdir, "dev", "loss", "min")
+    highest, _ = best_of(logdir, "dev", "loss", "max")
+    assert lowest != highest  # the two ways keep different checkpoints here
+    with open(os.path.join(logdir, "best", "best.json"), encoding="utf-8") as f:
+        record = json.load(f)
+    assert (record["mode"], record["step"]) == ("min", lowest)
+    said = [line for line in lines if line.startswith("keep-best: ")]
+    assert said == [f"keep-best: the checkpoint of the lowest dev/loss is kept in {logdir}/best "
+                    "(train.keep_best_mode=auto chose min: the metric's name says lower is better; set "
+                    "train.keep_best_mode=max for the other way)"]
+
+
 def test_a_record_of_another_metric_is_not_compared(tmp_path):
     logdir = str(tmp_path)
     train_and_eval(logdir, params(10, "loss", "min"))
@@ -89,7 +119,7 @@ def test_an_unknown_metric_or_dataset_is_refused_before_training(tmp_path):
         Controller(params(10, "acuracy", "max"), str(tmp_path)).prepare_training()
     with pytest.raises(ConfigError, match="names dataset 'train'; the evaluated datasets are dev, test"):
         Controller(params(10, "train/loss", "max"), str(tmp_path)).prepare_training()
-    with pytest.raises(ParamsError, match="train.keep_best_mode='best' must be 'max' or 'min'"):
+    with pytest.raises(ParamsError, match="train.keep_best_mode='best' must be one of auto, max, min"):
         Controller(params(10, "loss", "best"), str(tmp_path)).prepare_training()
 
 

@@ -1,7 +1,8 @@
 """Exact resume with AdamW, Adafactor and weight EMA: checkpoint, SIGKILL, restart equals one uninterrupted run.
 
 Each run is a real process (tests/helpers/optimizer_run.py) on a 2-stage float64 pipeline; every floating tensor of the
-final checkpoint (weights, optimizer slots, weight averages) must agree to 1e-10.
+final checkpoint (weights, optimizer slots, weight averages) must agree to 1e-10. A resume with an optimizer whose
+slots differ from the checkpoint's is refused in one line.
 """
 
 import os
@@ -13,6 +14,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from gpipe_tf import experiment
+from gpipe_tf.training import checkpoints
+from gpipe_tf.training.adafactor import Adafactor
+from gpipe_tf.training.optimizers import SGD, Adam, AdamW
 from tests.helpers.paths import ROOT
 
 
@@ -51,3 +56,26 @@ def test_checkpoint_kill_restart_equals_one_uninterrupted_run(tmp_path, setup, s
     # The runs trained: the compared state is not the initialization.
     start = tf.train.load_checkpoint(str(tmp_path / "ref" / "checkpoints" / "ckpt-4"))
     assert any(not np.array_equal(start.get_tensor(n), ref.get_tensor(n)) for n in names if n.startswith("task/"))
+
+
+def test_optimizer_slots_other_than_the_checkpoints_are_named_with_both_optimizers_and_the_way_on(tmp_path):
+    task = experiment.resolve_params("toy.classifier.BlobsMlp")[0].task.instantiate()
+
+    def with_optimizer(params):
+        optimizer = params.instantiate()
+        optimizer.build(task.trainable_variables)
+        return tf.train.Checkpoint(task=task, optimizer=optimizer)
+
+    path = with_optimizer(Adam.params()).write(str(tmp_path / "checkpoints" / "ckpt-2"))
+    factored = Adafactor.params().set(min_dim_size_to_factor=8)  # the matrices' second moments as vr and vc
+    for optimizer, name, slots in ((Adafactor.params(), "adafactor", "v"), (factored, "adafactor", "v, vc, vr"),
+                                   (SGD.params(), "sgd", "none")):
+        assert checkpoints.optimizer_mismatch(with_optimizer(optimizer), path) == (
+            f"checkpoint {path} holds the slots of optimizer adam (m, v), this run's optimizer {name} keeps others "
+            f"({slots}): the optimizer's slots differ from the checkpoint's, so its state cannot continue here; "
+            f"resume with the run's own optimizer (adam: train.optimizer as in {tmp_path}/params.txt), or start a new "
+            f"run from these weights with {name}: a new --logdir and --params=train.init_from.checkpoint={path} (a "
+            "fine-tune: docs/fine_tuning.md#another-optimizer)")
+    # AdamW keeps Adam's slots (its weight decay never enters them): it continues from them.
+    assert checkpoints.optimizer_mismatch(with_optimizer(AdamW.params()), path) is None
+    assert checkpoints.optimizer_mismatch(tf.train.Checkpoint(task=task), path) is None  # an evaluator's

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 from google.protobuf import text_format
@@ -165,15 +165,16 @@ QUARANTINE_DIR = "nonfinite"
 _LEFTOVER_RE = re.compile(r"^(ckpt-\d+_temp|checkpoint\.tmp.*)$")
 
 
-def quarantine(logdir: str, path: str) -> str | None:
-    """Moves checkpoint `path`'s files into checkpoints/nonfinite/ (replacing an older copy there) and makes the
-    previous checkpoint the latest; returns that one's path (None: no checkpoint is left, a rerun starts afresh)."""
+def quarantine(logdir: str, paths: Sequence[str]) -> str | None:
+    """Moves the files of the checkpoints `paths` into checkpoints/nonfinite/ (replacing older copies there) and
+    makes the newest checkpoint left the latest; returns its path (None: no checkpoint is left, a rerun starts
+    afresh)."""
     directory = checkpoint_dir(logdir)
     target = os.path.join(directory, QUARANTINE_DIR)
     os.makedirs(target, exist_ok=True)
-    prefix = os.path.basename(path) + "."
+    prefixes = tuple(os.path.basename(path) + "." for path in paths)
     for name in sorted(os.listdir(directory)):
-        if name.startswith(prefix) and _FILE_RE.match(name):
+        if name.startswith(prefixes) and _FILE_RE.match(name):
             os.replace(os.path.join(directory, name), os.path.join(target, name))
     left = checkpoint_paths(logdir)
     if left:

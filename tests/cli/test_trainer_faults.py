@@ -321,3 +321,67 @@ def test_the_evaluator_reads_the_newest_when_a_checkpoint_is_rotated_away_while_
     results = Controller(params, m_copy, log=lines.append, quiet=True).evaluate(follow=False)
     assert sorted(results) == [20]
     assert not [line for line in lines if "unreadable" in line or "warning" in line], lines
+
+
+# ------------------------------------------------------------------- issue 35: checkpoint faults and their words
+
+SKIP_EVERY_5 = "train.save_interval_steps=5,train.max_checkpoints_to_keep=10,train.skip_nonfinite_steps=True"
+
+
+def _save_huge_weights(logdir, step, overrides):
+    """Saves checkpoint `step`: the newest state of `logdir` with every task variable times 1e29, finite (max ~1e29
+    < 3.4e38) and so saved as good, from which every step is non-finite."""
+    controller = Controller(experiment.resolve(M, overrides=overrides).params, logdir, log=lambda s: None, quiet=True)
+    controller.restore()
+    for v in controller.task.variables:
+        v.assign(v * 1e29)
+    controller.learner.global_step.assign(step)
+    controller._save(step)
+
+
+@pytest.fixture(scope="module")
+def skipped_streak(runs, tmp_path_factory):
+    """One trainer process for items 7, 9 and 16 of issue 35: M's run (ckpt-10, ckpt-20) with a huge-weights ckpt-25
+    and the leftovers a SIGKILL leaves in best/ while the best checkpoint is written, resumed with skipped non-finite
+    steps and a save every 5 steps, so steps 26-35 are skipped from ckpt-25's weights and ckpt-30 saves them again."""
+    logdir = str(tmp_path_factory.mktemp("streak") / "m")
+    shutil.copytree(runs["m"], logdir)
+    _save_huge_weights(logdir, 25, SKIP_EVERY_5)
+    best = os.path.join(logdir, "best", "checkpoints")
+    os.makedirs(os.path.join(best, "ckpt-15_temp"))
+    with open(os.path.join(best, "ckpt-15_temp", "part-00000-of-00001.data-00000-of-00001"), "wb") as f:
+        f.write(b"half a checkpoint")
+    with open(os.path.join(best, "checkpoint.tmp9c0ffee"), "w") as f:
+        f.write('model_checkpoint_path: "ckpt-1')
+    with open(os.path.join(logdir, "best", "best.json.tmp"), "w") as f:
+        f.write('{"metric": "dev/accur')
+    result = trainer(f"--logdir={logdir}", "--max_steps=40", f"--params={SKIP_EVERY_5}")
+    return logdir, result
+
+
+def test_a_run_of_skipped_steps_names_the_checkpoint_before_the_weights_it_failed_from(skipped_streak):
+    # Issue 35, item 9: ckpt-30 was saved during the skipped steps, with ckpt-25's weights: naming ckpt-25 as the
+    # last good state made the rerun fail once more.
+    logdir, result = skipped_streak
+    line = one_error_line(result, code=1)
+    assert "steps 26-35 were all non-finite and skipped" in line
+    assert f"so {ckpt(logdir, 20)} ({ckpt(logdir, 25)} and {ckpt(logdir, 30)} hold the same weights" in line
+    assert sorted(os.listdir(os.path.join(logdir, "checkpoints", "nonfinite"))) == [
+        "ckpt-25.data-00000-of-00001", "ckpt-25.index", "ckpt-30.data-00000-of-00001", "ckpt-30.index"]
+    # The rerun resumes from the named checkpoint and trains on (in process: a trainer run is the fixture's).
+    lines = []
+    rerun = Controller(experiment.resolve(M, overrides=SKIP_EVERY_5 + ",train.max_steps=22").params, logdir,
+                       log=lines.append)
+    metrics = rerun.train()
+    assert f"resumed from {ckpt(logdir, 20)} at step 20" in lines
+    assert not [line for line in lines if "warning" in line], lines
+    assert math.isfinite(metrics["loss"]) and metrics["nonfinite"] == 0
+
+
+def test_leftovers_of_an_interrupted_best_checkpoint_save_are_removed_at_start(skipped_streak):
+    # Issue 35, item 7: the start-up clean-up covered checkpoints/ only, so best/checkpoints/ckpt-N_temp/ stayed.
+    logdir, result = skipped_streak
+    best = os.path.join(logdir, "best")
+    assert (f"removed checkpoints/checkpoint.tmp9c0ffee, checkpoints/ckpt-15_temp, best.json.tmp from {best}: "
+            "leftovers of a save of the best checkpoint that was interrupted") in result.stdout
+    assert os.listdir(os.path.join(best, "checkpoints")) == [] and os.listdir(best) == ["checkpoints"]

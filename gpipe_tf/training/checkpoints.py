@@ -209,6 +209,25 @@ def _short(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
 
 
+# TensorFlow's I/O errors read "{{function_node __wrapped__SaveV2_...}} <file>.tempstate<N>; <cause> [Op:SaveV2]".
+_FUNCTION_NODE_RE = re.compile(r"\{\{function_node [^}]*\}\}\s*")
+_OP_SUFFIX_RE = re.compile(r"\s*\[Op:\w+\]\s*$")
+_TEMP_STATE_RE = re.compile(r"\.tempstate\d+")
+
+
+def write_failure(error: OSError | tf.errors.OpError, directory: str) -> str:
+    """Why a save into `directory` failed, in one line and whole: TensorFlow's function-name prefix and op suffix
+    dropped, files named relative to `directory` without TensorFlow's `.tempstateN` suffix, e.g.
+    `ckpt-30_temp/part-00000-of-00001.data-00000-of-00001; File too large`. Never cut: the cause is at the end."""
+    if isinstance(error, OSError) and error.strerror:
+        message = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    else:
+        message = error.message if isinstance(error, tf.errors.OpError) else str(error)
+        message = _OP_SUFFIX_RE.sub("", _FUNCTION_NODE_RE.sub("", message))
+    message = _TEMP_STATE_RE.sub("", message).replace(os.path.join(directory, ""), "")
+    return " ".join(message.split())
+
+
 _TASK_PREFIX = "task/"
 _OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 

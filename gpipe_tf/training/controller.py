@@ -223,9 +223,11 @@ class Controller:
         try:
             path = self.manager.save(checkpoint_number=step)
         except (OSError, tf.errors.OpError) as e:
-            raise TrainingError(f"could not write the checkpoint of step {step} ({' '.join(str(e).split())[:200]}); "
-                                f"the previous checkpoint {self._last_checkpoint()} is intact; free disk "
-                                "space and run again to resume from it") from None
+            directory = checkpoints.checkpoint_dir(self.logdir)
+            raise TrainingError(f"could not write the checkpoint of step {step} to {directory} "
+                                f"({checkpoints.write_failure(e, directory)}); the previous checkpoint "
+                                f"{self._last_checkpoint()} is intact; free disk space and run again to resume "
+                                "from it") from None
         self._holding_current_weights.append(path)
         self.progress(f"saved checkpoint {path}")
 

@@ -25,7 +25,7 @@ from gpipe_tf.training import checkpoints, learner, lr_schedules, run_seed
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
 from tests.helpers.paths import ROOT
-from tests.helpers.trainer_errors import one_error_line
+from tests.helpers.trainer_errors import file_size_limit, one_error_line
 
 M = "toy.classifier.BlobsMlp"
 G = "toy.classifier.BlobsMlpGPipe"
@@ -385,3 +385,17 @@ def test_leftovers_of_an_interrupted_best_checkpoint_save_are_removed_at_start(s
     assert (f"removed checkpoints/checkpoint.tmp9c0ffee, checkpoints/ckpt-15_temp, best.json.tmp from {best}: "
             "leftovers of a save of the best checkpoint that was interrupted") in result.stdout
     assert os.listdir(os.path.join(best, "checkpoints")) == [] and os.listdir(best) == ["checkpoints"]
+
+
+def test_a_checkpoint_write_error_keeps_its_cause(m_copy):
+    # Issue 35, item 13: the message was cut at 200 characters, spent on TensorFlow's function name and the temp
+    # path, so "File too large" was lost. A file-size limit on the process fails the write of ckpt-21.
+    data_size = os.path.getsize(ckpt(m_copy, 20) + ".data-00000-of-00001")
+    result = subprocess.run([sys.executable, "trainer.py", f"--model={M}", f"--logdir={m_copy}", "--max_steps=21",
+                             f"--params={EVERY_10}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            preexec_fn=file_size_limit(data_size // 2))
+    line = one_error_line(result, code=1, only=False)  # TensorFlow warns of the failed write
+    directory = os.path.join(m_copy, "checkpoints")
+    assert (f"could not write the checkpoint of step 21 to {directory} (ckpt-21_temp/part-00000-of-00001"
+            f".data-00000-of-00001; File too large); the previous checkpoint {ckpt(m_copy, 20)} is intact") in line
+    assert "function_node" not in line and "tempstate" not in line and "[Op:" not in line

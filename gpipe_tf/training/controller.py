@@ -373,7 +373,8 @@ class Controller:
                                     f"{steps_run} steps of this run skipped), last in {what}; stopped without "
                                     f"saving, so {self._quarantine_if_bad(limit)} is the last good state; lower "
                                     "the learning rate or clip gradients (train.clip_gradient_norm)")
-            self.log(f"warning: non-finite {what} at step {step}; update skipped (train.skip_nonfinite_steps)")
+            self.log(f"warning: non-finite loss or gradient at step {step}, in {what}; update skipped "
+                     "(train.skip_nonfinite_steps)")
             return
         raise TrainingError(f"non-finite loss or gradient at step {step}, in {what}; stopped before "
                             f"updating, so {self._quarantine_if_bad(1)} is the last good state; lower "

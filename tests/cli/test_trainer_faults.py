@@ -387,6 +387,16 @@ def test_leftovers_of_an_interrupted_best_checkpoint_save_are_removed_at_start(s
     assert os.listdir(os.path.join(best, "checkpoints")) == [] and os.listdir(best) == ["checkpoints"]
 
 
+def test_the_skipped_step_warning_reads_as_the_error_does(skipped_streak):
+    # Issue 35, item 16: it read "warning: non-finite the gradients of ...".
+    _, result = skipped_streak
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 9, result.stdout[-3000:]  # steps 26-34; the 10th in a row is the error
+    assert warnings[0].startswith("warning: non-finite loss or gradient at step 26, in the ")
+    assert warnings[0].endswith("; update skipped (train.skip_nonfinite_steps)")
+    assert not [line for line in warnings if "non-finite the" in line]
+
+
 def test_a_checkpoint_write_error_keeps_its_cause(m_copy):
     # Issue 35, item 13: the message was cut at 200 characters, spent on TensorFlow's function name and the temp
     # path, so "File too large" was lost. A file-size limit on the process fails the write of ckpt-21.

@@ -300,6 +300,10 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False) -
     if mismatch:
         raise ConfigError(f"checkpoint {path} does not match this model ({mismatch}); use the --model of the run "
                           "that wrote it, or a new --logdir")
+    # Made before the restore: tf.train.Checkpoint.restore makes its save counter after reading and then restores it
+    # from every earlier restore into the same object, so a restore cut short (its files deleted meanwhile, as by a
+    # trainer's max_checkpoints_to_keep) would fail the next one with the deleted files' error.
+    checkpoint.save_counter  # noqa: B018 -- the property creates the variable
     status = None
     try:
         status = checkpoint.restore(path)

@@ -501,16 +501,10 @@ class Controller:
             for path in pending:
                 if path in unreadable:
                     continue
-                reason = checkpoints.unreadable_reason(path)
-                if reason is None:
-                    try:
-                        checkpoints.restore(checkpoint, path, partial=True)
-                        try:
-                            self._use_averages(path)
-                        except ConfigError as e:  # saved before the run turned averaging on
-                            self.log(f"warning: {e}; evaluating {path} with its trained weights")
-                    except tf.errors.OpError as e:
-                        reason = " ".join(str(e).split())[:300]
+                reason = self._restore_for_eval(checkpoint, path)
+                if reason is not None and os.path.exists(path + ".index"):
+                    # Read once more before reporting: only a checkpoint that is still there and fails again is.
+                    reason = self._restore_for_eval(checkpoint, path)
                 if reason is not None:
                     if os.path.exists(path + ".index"):  # not merely deleted by max_checkpoints_to_keep
                         self.log(f"warning: checkpoint {path} is unreadable ({reason}); not evaluated")
@@ -538,6 +532,22 @@ class Controller:
                 time.sleep(poll_secs)
             else:
                 waiting = False
+
+    def _restore_for_eval(self, checkpoint: tf.train.Checkpoint, path: str) -> str | None:
+        """Restores checkpoint `path` (and its weight averages) into `checkpoint`; returns why it cannot be read
+        back (None: restored). A trainer beside the evaluator may delete it meanwhile (max_checkpoints_to_keep)."""
+        reason = checkpoints.unreadable_reason(path)
+        if reason is not None:
+            return reason
+        try:
+            checkpoints.restore(checkpoint, path, partial=True)
+            try:
+                self._use_averages(path)
+            except ConfigError as e:  # saved before the run turned averaging on
+                self.log(f"warning: {e}; evaluating {path} with its trained weights")
+        except tf.errors.OpError as e:
+            return " ".join(str(e).split())[:300]
+        return None
 
     def _check_eval_dirs_writable(self) -> None:
         for name in self.params.eval.datasets:

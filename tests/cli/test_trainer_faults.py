@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.checkpoint import checkpoint as tf_checkpoint
 
 from gpipe_tf import experiment
 from gpipe_tf.hyperparams import ParamsError
@@ -409,3 +410,28 @@ def test_a_checkpoint_write_error_keeps_its_cause(m_copy):
     assert (f"could not write the checkpoint of step 21 to {directory} (ckpt-21_temp/part-00000-of-00001"
             f".data-00000-of-00001; File too large); the previous checkpoint {ckpt(m_copy, 20)} is intact") in line
     assert "function_node" not in line and "tempstate" not in line and "[Op:" not in line
+
+
+def test_a_checkpoint_rotated_away_while_restored_leaves_the_next_one_readable(m_copy, monkeypatch):
+    # Issue 35, item 15: an evaluator beside a trainer that keeps 2 checkpoints. Right after TensorFlow's restore
+    # opened ckpt-10, "the trainer" rotates ckpt-10 away (TensorFlow deletes the index first): the restore fails, and
+    # the evaluator reported the healthy ckpt-20 as unreadable with ckpt-10's error, as the restore cut short had
+    # left a restoration of ckpt-10 pending in the evaluator's checkpoint object.
+    real = tf_checkpoint.py_checkpoint_reader
+
+    class Rotating:
+        @staticmethod
+        def NewCheckpointReader(path):  # noqa: N802 -- TensorFlow's name
+            reader = real.NewCheckpointReader(path)
+            if path == ckpt(m_copy, 10) and os.path.exists(path + ".index"):
+                os.remove(path + ".index")
+            return reader
+
+    monkeypatch.setattr(tf_checkpoint, "py_checkpoint_reader", Rotating)
+    with open(os.path.join(m_copy, "TRAINING_DONE"), "w") as f:
+        f.write("20\n")
+    lines = []
+    results = Controller(experiment.resolve(M).params, m_copy, log=lines.append, quiet=True).evaluate(
+        follow=True, poll_secs=0, timeout_secs=60)
+    assert sorted(results) == [20]
+    assert not [line for line in lines if "unreadable" in line or "warning" in line], lines

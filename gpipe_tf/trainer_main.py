@@ -187,6 +187,8 @@ def _run_job(params: Params, resolved: Any, gin_config: str, budget: int | None)
     from gpipe_tf.training import logdir as logdir_lib  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
     from gpipe_tf.training.controller import Controller  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
 
+    # Every mode keeps its run in the logdir: a file there is refused before the model is built, not waited on.
+    logdir_lib.check_is_directory(FLAGS.logdir)
     profile = _parse_profile_steps(FLAGS.profile_steps)
     training = FLAGS.mode in ("train", "train_and_eval")
     layout = _replica_layout(params) if training else None

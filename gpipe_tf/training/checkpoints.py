@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import tensorflow as tf
 from google.protobuf import text_format
@@ -179,15 +179,16 @@ QUARANTINE_DIR = "nonfinite"
 _LEFTOVER_RE = re.compile(r"^(ckpt-\d+_temp|checkpoint\.tmp.*)$")
 
 
-def quarantine(logdir: str, path: str) -> str | None:
-    """Moves checkpoint `path`'s files into checkpoints/nonfinite/ (replacing an older copy there) and makes the
-    previous checkpoint the latest; returns that one's path (None: no checkpoint is left, a rerun starts afresh)."""
+def quarantine(logdir: str, paths: Sequence[str]) -> str | None:
+    """Moves the files of the checkpoints `paths` into checkpoints/nonfinite/ (replacing older copies there) and
+    makes the newest checkpoint left the latest; returns its path (None: no checkpoint is left, a rerun starts
+    afresh)."""
     directory = checkpoint_dir(logdir)
     target = os.path.join(directory, QUARANTINE_DIR)
     os.makedirs(target, exist_ok=True)
-    prefix = os.path.basename(path) + "."
+    prefixes = tuple(os.path.basename(path) + "." for path in paths)
     for name in sorted(os.listdir(directory)):
-        if name.startswith(prefix) and _FILE_RE.match(name):
+        if name.startswith(prefixes) and _FILE_RE.match(name):
             os.replace(os.path.join(directory, name), os.path.join(target, name))
     left = checkpoint_paths(logdir)
     if left:
@@ -220,6 +221,25 @@ def remove_leftovers(logdir: str) -> list[str]:
 
 def _short(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
+
+
+# TensorFlow's I/O errors read "{{function_node __wrapped__SaveV2_...}} <file>.tempstate<N>; <cause> [Op:SaveV2]".
+_FUNCTION_NODE_RE = re.compile(r"\{\{function_node [^}]*\}\}\s*")
+_OP_SUFFIX_RE = re.compile(r"\s*\[Op:\w+\]\s*$")
+_TEMP_STATE_RE = re.compile(r"\.tempstate\d+")
+
+
+def write_failure(error: OSError | tf.errors.OpError, directory: str) -> str:
+    """Why a save into `directory` failed, in one line and whole: TensorFlow's function-name prefix and op suffix
+    dropped, files named relative to `directory` without TensorFlow's `.tempstateN` suffix, e.g.
+    `ckpt-30_temp/part-00000-of-00001.data-00000-of-00001; File too large`. Never cut: the cause is at the end."""
+    if isinstance(error, OSError) and error.strerror:
+        message = f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    else:
+        message = error.message if isinstance(error, tf.errors.OpError) else str(error)
+        message = _OP_SUFFIX_RE.sub("", _FUNCTION_NODE_RE.sub("", message))
+    message = _TEMP_STATE_RE.sub("", message).replace(os.path.join(directory, ""), "")
+    return " ".join(message.split())
 
 
 _TASK_PREFIX = "task/"
@@ -358,6 +378,10 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False,
     other_optimizer = optimizer_mismatch(checkpoint, path)
     if other_optimizer:
         raise ConfigError(other_optimizer)
+    # Made before the restore: tf.train.Checkpoint.restore makes its save counter after reading and then restores it
+    # from every earlier restore into the same object, so a restore cut short (its files deleted meanwhile, as by a
+    # trainer's max_checkpoints_to_keep) would fail the next one with the deleted files' error.
+    checkpoint.save_counter  # noqa: B018 -- the property creates the variable
     status = None
     try:
         status = checkpoint.restore(path)

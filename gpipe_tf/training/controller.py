@@ -117,8 +117,9 @@ class Controller:
         self._best_metric: tuple[str, str] = ("", "")  # train.keep_best_metric as (dataset, metric)
         self._best: keep_best.BestCheckpoint | None = None  # train_and_eval with train.keep_best_metric
         self._ema_reader: weight_ema.WeightEma | None = None  # eval: the checkpoints' weight averages
-        # Finite steps since the newest checkpoint this process saved or restored (see _quarantine_if_bad).
-        self._finite_since_checkpoint = 0
+        # The checkpoints this process saved or restored since the last applied (finite) step: all hold the weights
+        # the next step starts from, as a skipped step changes none (see _quarantine_if_bad).
+        self._holding_current_weights: list[str] = []
         # Steps skipped as non-finite (train.skip_nonfinite_steps) in this process: in all and in a row now.
         self._skipped = 0
         self._skipped_in_a_row = 0
@@ -164,6 +165,11 @@ class Controller:
             if removed:
                 self.log(f"removed {', '.join(removed)} from {checkpoints.checkpoint_dir(self.logdir)}: leftovers of "
                          "a save that was interrupted (no complete checkpoint is among them)")
+            # Whatever this run's mode: a killed train_and_eval run leaves them while it saves the best checkpoint.
+            removed = keep_best.remove_leftovers(self.logdir)
+            if removed:
+                self.log(f"removed {', '.join(removed)} from {keep_best.best_dir(self.logdir)}: leftovers of a save "
+                         "of the best checkpoint that was interrupted (the best checkpoint itself is kept)")
         problem = checkpoints.state_file_problem(self.logdir)
         on_disk = checkpoints.checkpoint_paths(self.logdir)
         # The weight averages, when kept, are restored by weight_ema.resume below.
@@ -174,6 +180,7 @@ class Controller:
             # The checkpoint that saves is another object than the one restored (see _build_training): it carries
             # the save count on, so that a resumed run writes what an uninterrupted one would.
             self.checkpoint.save_counter.assign(self._restorable.save_counter)
+        self._holding_current_weights = [self._restored] if self._restored else []
         if self._restored and self.learner.ema is not None:
             weight_ema.resume(self.learner.ema, self._restored, self.log)
         if self._restored is None and self.params.train.init_from.checkpoint:
@@ -226,10 +233,12 @@ class Controller:
         try:
             path = self.manager.save(checkpoint_number=step)
         except (OSError, tf.errors.OpError) as e:
-            raise TrainingError(f"could not write the checkpoint of step {step} ({' '.join(str(e).split())[:200]}); "
-                                f"the previous checkpoint {self._last_checkpoint()} is intact; free disk "
-                                "space and run again to resume from it") from None
-        self._finite_since_checkpoint = 0
+            directory = checkpoints.checkpoint_dir(self.logdir)
+            raise TrainingError(f"could not write the checkpoint of step {step} to {directory} "
+                                f"({checkpoints.write_failure(e, directory)}); the previous checkpoint "
+                                f"{self._last_checkpoint()} is intact; free disk space and run again to resume "
+                                "from it") from None
+        self._holding_current_weights.append(path)
         self.progress(f"saved checkpoint {path}")
 
     def train(self, evaluate_every: int | None = None) -> dict[str, float]:
@@ -311,7 +320,7 @@ class Controller:
                 self._nonfinite(step, metrics, step - start_step)
             else:
                 self._skipped_in_a_row = 0
-                self._finite_since_checkpoint += 1
+                self._holding_current_weights = []
             for warning in self._zero_watch.observe(step, metrics["zero_gradients"].numpy()):
                 self.log(warning)
             now = self.clock()
@@ -377,7 +386,8 @@ class Controller:
                                     f"{steps_run} steps of this run skipped), last in {what}; stopped without "
                                     f"saving, so {self._quarantine_if_bad(limit)} is the last good state; lower "
                                     "the learning rate or clip gradients (train.clip_gradient_norm)")
-            self.log(f"warning: non-finite {what} at step {step}; update skipped (train.skip_nonfinite_steps)")
+            self.log(f"warning: non-finite loss or gradient at step {step}, in {what}; update skipped "
+                     "(train.skip_nonfinite_steps)")
             return
         raise TrainingError(f"non-finite loss or gradient at step {step}, in {what}; stopped before "
                             f"updating, so {self._quarantine_if_bad(1)} is the last good state; lower "
@@ -387,25 +397,32 @@ class Controller:
     def _quarantine_if_bad(self, failed_batches: int) -> str:
         """The last good state after non-finite steps on `failed_batches` batches; returns its description.
 
-        When no finite step ran since the newest checkpoint, the steps failed from that checkpoint's own weights.
-        If they did so on at least two batches (one more step is tried when only one failed: a single bad batch
-        does not condemn the weights), the weights are the fault, e.g. finite but huge after a too-large learning
-        rate: the checkpoint is moved to checkpoints/nonfinite/ (not deleted), so that a rerun resumes from the
-        checkpoint before it instead of failing at the same step forever.
+        The failed steps all started from the weights of the last applied step (a skipped step changes none), which
+        every checkpoint saved or restored since then holds: with train.skip_nonfinite_steps, checkpoints saved
+        during the run of skipped steps too. If the steps failed on at least two batches (one more step is tried
+        when only one failed: a single bad batch does not condemn the weights), the weights are the fault, e.g.
+        finite but huge after a too-large learning rate: those checkpoints are moved to checkpoints/nonfinite/ (not
+        deleted), so that a rerun resumes from the newest checkpoint before them instead of failing again.
         """
         latest = self._last_checkpoint()
-        if (self._finite_since_checkpoint or not self.layout.is_chief or self.layout.num_workers > 1
-                or latest == "no checkpoint"):
-            return latest
+        suspects = [p for p in self._holding_current_weights if os.path.exists(p + ".index")]
+        if not suspects or not self.layout.is_chief or self.layout.num_workers > 1:
+            return latest  # the newest checkpoint had a finite step after it (or there is none)
         if failed_batches < 2:
             batch = next(self.train_iterator, None)
             if batch is None or not bool(self.learner.train_step(batch, tf.constant(False))["nonfinite"]):
                 return latest  # another batch takes a finite step from these weights (or there is none)
-        previous = checkpoints.quarantine(self.logdir, latest)
+        previous = checkpoints.quarantine(self.logdir, suspects)
         moved = os.path.join(checkpoints.checkpoint_dir(self.logdir), checkpoints.QUARANTINE_DIR)
-        return (f"{previous or 'no checkpoint (a rerun starts from the initial values)'} ({latest} gave non-finite "
-                f"steps from its own weights on {max(failed_batches, 2)} batches, so it was moved to {moved}/ and a "
-                "rerun resumes from the one before it)")
+        batches = max(failed_batches, 2)
+        if len(suspects) == 1:
+            why = (f"{suspects[0]} gave non-finite steps from its own weights on {batches} batches, so it was moved "
+                   f"to {moved}/ and a rerun resumes from the one before it")
+        else:
+            why = (f"{', '.join(suspects[:-1])} and {suspects[-1]} hold the same weights (saved while steps were "
+                   f"skipped), which gave non-finite steps on {batches} batches, so they were moved to {moved}/ and a "
+                   "rerun resumes from the one before them")
+        return f"{previous or 'no checkpoint (a rerun starts from the initial values)'} ({why})"
 
     def _last_checkpoint(self) -> str:
         """The newest checkpoint this run saved or resumed from: one it knows to be finite and complete."""
@@ -497,16 +514,10 @@ class Controller:
             for path in pending:
                 if path in unreadable:
                     continue
-                reason = checkpoints.unreadable_reason(path)
-                if reason is None:
-                    try:
-                        checkpoints.restore(checkpoint, path, partial=True)
-                        try:
-                            self._use_averages(path)
-                        except ConfigError as e:  # saved before the run turned averaging on
-                            self.log(f"warning: {e}; evaluating {path} with its trained weights")
-                    except tf.errors.OpError as e:
-                        reason = " ".join(str(e).split())[:300]
+                reason = self._restore_for_eval(checkpoint, path)
+                if reason is not None and os.path.exists(path + ".index"):
+                    # Read once more before reporting: only a checkpoint that is still there and fails again is.
+                    reason = self._restore_for_eval(checkpoint, path)
                 if reason is not None:
                     if os.path.exists(path + ".index"):  # not merely deleted by max_checkpoints_to_keep
                         self.log(f"warning: checkpoint {path} is unreadable ({reason}); not evaluated")
@@ -534,6 +545,22 @@ class Controller:
                 time.sleep(poll_secs)
             else:
                 waiting = False
+
+    def _restore_for_eval(self, checkpoint: tf.train.Checkpoint, path: str) -> str | None:
+        """Restores checkpoint `path` (and its weight averages) into `checkpoint`; returns why it cannot be read
+        back (None: restored). A trainer beside the evaluator may delete it meanwhile (max_checkpoints_to_keep)."""
+        reason = checkpoints.unreadable_reason(path)
+        if reason is not None:
+            return reason
+        try:
+            checkpoints.restore(checkpoint, path, partial=True)
+            try:
+                self._use_averages(path)
+            except ConfigError as e:  # saved before the run turned averaging on
+                self.log(f"warning: {e}; evaluating {path} with its trained weights")
+        except tf.errors.OpError as e:
+            return " ".join(str(e).split())[:300]
+        return None
 
     def _check_eval_dirs_writable(self) -> None:
         for name in self.params.eval.datasets:

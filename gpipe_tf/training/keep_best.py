@@ -77,6 +77,21 @@ def describe(name: str, mode: str, chosen: str, directory: str) -> str:
     return f"keep-best: the checkpoint of the {way} {name} is kept in {directory} ({why})"
 
 
+def remove_leftovers(logdir: str) -> list[str]:
+    """Deletes what an interrupted save of the best checkpoint left in logdir/best (`checkpoints/ckpt-N_temp/`,
+    `checkpoints/checkpoint.tmp*`, the record's temporary); returns their paths relative to logdir/best.
+
+    Only for the trainer that holds the logdir's lock: no other process is saving then.
+    """
+    removed = [os.path.join(checkpoints.CHECKPOINT_DIR, name)
+               for name in checkpoints.remove_leftovers(best_dir(logdir))]
+    record_tmp = os.path.join(best_dir(logdir), RECORD_FILE + ".tmp")
+    if os.path.isfile(record_tmp):
+        os.remove(record_tmp)
+        removed.append(RECORD_FILE + ".tmp")
+    return removed
+
+
 class BestCheckpoint:
     """Saves `checkpoint` to logdir/best when an evaluation improves the chosen metric.
 

@@ -33,8 +33,34 @@ MATH_NEUTRAL_FIELDS = frozenset({
 INPUT_STREAM_FIELDS = ("input.train.batch_size",)
 
 
+def file_in_the_way(path: str) -> str | None:
+    """The file that keeps directory `path` from existing: `path` itself or the nearest of its parents that exists,
+    when that one is not a directory (None: `path` is a directory or can be created as one)."""
+    current = os.path.abspath(path)
+    while not os.path.exists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
+    return None if os.path.isdir(current) else current
+
+
+def check_is_directory(logdir: str, what: str = "--logdir") -> None:
+    """ConfigError in one line when `logdir` is a file or lies under one: no run can be kept there. Reads only."""
+    blocker = file_in_the_way(logdir)
+    if blocker is None:
+        return
+    shown = f"--logdir={logdir!r}" if what == "--logdir" else f"{logdir!r} ({what})"
+    where = "is a file" if blocker == os.path.abspath(logdir) else f"lies under {blocker}, which is a file"
+    raise ConfigError(f"{shown} {where}, not a directory; pass the path of a directory (a new path, or the logdir of "
+                      f"a run), or move {blocker} away")
+
+
 def check_writable(logdir: str, what: str = "--logdir") -> None:
-    """Creates `logdir` if needed and checks 4 KiB can be written there (a full disk fails); ConfigError otherwise."""
+    """Creates `logdir` if needed and checks 4 KiB can be written there (a full disk fails); ConfigError otherwise.
+
+    A file where the directory should be is named as such (check_is_directory), not taken for a full disk."""
+    check_is_directory(logdir, what)
     try:
         os.makedirs(logdir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=logdir, prefix=".write_test") as f:

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from gpipe_tf.errors import ConfigError
+from gpipe_tf.training import logdir as logdir_lib
 from tests.helpers import tiers
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import file_size_limit, one_error_line
@@ -318,3 +320,20 @@ def test_eval_follow_says_what_it_waits_for(tmp_path):
     assert f"waiting for a new checkpoint in {logdir}/checkpoints" in result.stdout
     assert "evaluator stops" in result.stdout
     assert not os.path.exists(logdir)
+
+
+def test_a_logdir_that_is_a_file_is_named_as_one_before_the_model_is_built(tmp_path):
+    # Issue 35, item 16: it got "cannot write to --logdir=...: File exists; free disk space, ...".
+    path = tmp_path / "run.txt"
+    path.write_text("notes\n")
+    line = one_error_line(trainer(f"--logdir={path}", "--max_steps=5"))
+    assert line == (f"trainer.py: error: --logdir={str(path)!r} is a file, not a directory; pass the path of a "
+                    f"directory (a new path, or the logdir of a run), or move {path} away")
+    assert path.read_text() == "notes\n"
+
+
+def test_a_directory_under_a_file_is_named_with_that_file():
+    with pytest.raises(ConfigError) as raised:
+        logdir_lib.check_writable(os.path.join(__file__, "eval_dev"), what="evaluation summaries")
+    assert str(raised.value).startswith(f"{os.path.join(__file__, 'eval_dev')!r} (evaluation summaries) lies under "
+                                        f"{__file__}, which is a file, not a directory;")

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.checkpoint import checkpoint as tf_checkpoint
 
 from gpipe_tf import experiment
 from gpipe_tf.hyperparams import ParamsError
@@ -25,7 +26,7 @@ from gpipe_tf.training import checkpoints, learner, lr_schedules, run_seed
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
 from tests.helpers.paths import ROOT
-from tests.helpers.trainer_errors import one_error_line
+from tests.helpers.trainer_errors import file_size_limit, one_error_line
 
 M = "toy.classifier.BlobsMlp"
 G = "toy.classifier.BlobsMlpGPipe"
@@ -319,5 +320,118 @@ def test_the_evaluator_reads_the_newest_when_a_checkpoint_is_rotated_away_while_
     lines = []
     params = experiment.resolve(M).params
     results = Controller(params, m_copy, log=lines.append, quiet=True).evaluate(follow=False)
+    assert sorted(results) == [20]
+    assert not [line for line in lines if "unreadable" in line or "warning" in line], lines
+
+
+# ------------------------------------------------------------------- issue 35: checkpoint faults and their words
+
+SKIP_EVERY_5 = "train.save_interval_steps=5,train.max_checkpoints_to_keep=10,train.skip_nonfinite_steps=True"
+
+
+def _save_huge_weights(logdir, step, overrides):
+    """Saves checkpoint `step`: the newest state of `logdir` with every task variable times 1e29, finite (max ~1e29
+    < 3.4e38) and so saved as good, from which every step is non-finite."""
+    controller = Controller(experiment.resolve(M, overrides=overrides).params, logdir, log=lambda s: None, quiet=True)
+    controller.restore()
+    for v in controller.task.variables:
+        v.assign(v * 1e29)
+    controller.learner.global_step.assign(step)
+    controller._save(step)
+
+
+@pytest.fixture(scope="module")
+def skipped_streak(runs, tmp_path_factory):
+    """One trainer process for items 7, 9 and 16 of issue 35: M's run (ckpt-10, ckpt-20) with a huge-weights ckpt-25
+    and the leftovers a SIGKILL leaves in best/ while the best checkpoint is written, resumed with skipped non-finite
+    steps and a save every 5 steps, so steps 26-35 are skipped from ckpt-25's weights and ckpt-30 saves them again."""
+    logdir = str(tmp_path_factory.mktemp("streak") / "m")
+    shutil.copytree(runs["m"], logdir)
+    _save_huge_weights(logdir, 25, SKIP_EVERY_5)
+    best = os.path.join(logdir, "best", "checkpoints")
+    os.makedirs(os.path.join(best, "ckpt-15_temp"))
+    with open(os.path.join(best, "ckpt-15_temp", "part-00000-of-00001.data-00000-of-00001"), "wb") as f:
+        f.write(b"half a checkpoint")
+    with open(os.path.join(best, "checkpoint.tmp9c0ffee"), "w") as f:
+        f.write('model_checkpoint_path: "ckpt-1')
+    with open(os.path.join(logdir, "best", "best.json.tmp"), "w") as f:
+        f.write('{"metric": "dev/accur')
+    result = trainer(f"--logdir={logdir}", "--max_steps=40", f"--params={SKIP_EVERY_5}")
+    return logdir, result
+
+
+def test_a_run_of_skipped_steps_names_the_checkpoint_before_the_weights_it_failed_from(skipped_streak):
+    # Issue 35, item 9: ckpt-30 was saved during the skipped steps, with ckpt-25's weights: naming ckpt-25 as the
+    # last good state made the rerun fail once more.
+    logdir, result = skipped_streak
+    line = one_error_line(result, code=1)
+    assert "steps 26-35 were all non-finite and skipped" in line
+    assert f"so {ckpt(logdir, 20)} ({ckpt(logdir, 25)} and {ckpt(logdir, 30)} hold the same weights" in line
+    assert sorted(os.listdir(os.path.join(logdir, "checkpoints", "nonfinite"))) == [
+        "ckpt-25.data-00000-of-00001", "ckpt-25.index", "ckpt-30.data-00000-of-00001", "ckpt-30.index"]
+    # The rerun resumes from the named checkpoint and trains on (in process: a trainer run is the fixture's).
+    lines = []
+    rerun = Controller(experiment.resolve(M, overrides=SKIP_EVERY_5 + ",train.max_steps=22").params, logdir,
+                       log=lines.append)
+    metrics = rerun.train()
+    assert f"resumed from {ckpt(logdir, 20)} at step 20" in lines
+    assert not [line for line in lines if "warning" in line], lines
+    assert math.isfinite(metrics["loss"]) and metrics["nonfinite"] == 0
+
+
+def test_leftovers_of_an_interrupted_best_checkpoint_save_are_removed_at_start(skipped_streak):
+    # Issue 35, item 7: the start-up clean-up covered checkpoints/ only, so best/checkpoints/ckpt-N_temp/ stayed.
+    logdir, result = skipped_streak
+    best = os.path.join(logdir, "best")
+    assert (f"removed checkpoints/checkpoint.tmp9c0ffee, checkpoints/ckpt-15_temp, best.json.tmp from {best}: "
+            "leftovers of a save of the best checkpoint that was interrupted") in result.stdout
+    assert os.listdir(os.path.join(best, "checkpoints")) == [] and os.listdir(best) == ["checkpoints"]
+
+
+def test_the_skipped_step_warning_reads_as_the_error_does(skipped_streak):
+    # Issue 35, item 16: it read "warning: non-finite the gradients of ...".
+    _, result = skipped_streak
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 9, result.stdout[-3000:]  # steps 26-34; the 10th in a row is the error
+    assert warnings[0].startswith("warning: non-finite loss or gradient at step 26, in the ")
+    assert warnings[0].endswith("; update skipped (train.skip_nonfinite_steps)")
+    assert not [line for line in warnings if "non-finite the" in line]
+
+
+def test_a_checkpoint_write_error_keeps_its_cause(m_copy):
+    # Issue 35, item 13: the message was cut at 200 characters, spent on TensorFlow's function name and the temp
+    # path, so "File too large" was lost. A file-size limit on the process fails the write of ckpt-21.
+    data_size = os.path.getsize(ckpt(m_copy, 20) + ".data-00000-of-00001")
+    result = subprocess.run([sys.executable, "trainer.py", f"--model={M}", f"--logdir={m_copy}", "--max_steps=21",
+                             f"--params={EVERY_10}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            preexec_fn=file_size_limit(data_size // 2))
+    line = one_error_line(result, code=1, only=False)  # TensorFlow warns of the failed write
+    directory = os.path.join(m_copy, "checkpoints")
+    assert (f"could not write the checkpoint of step 21 to {directory} (ckpt-21_temp/part-00000-of-00001"
+            f".data-00000-of-00001; File too large); the previous checkpoint {ckpt(m_copy, 20)} is intact") in line
+    assert "function_node" not in line and "tempstate" not in line and "[Op:" not in line
+
+
+def test_a_checkpoint_rotated_away_while_restored_leaves_the_next_one_readable(m_copy, monkeypatch):
+    # Issue 35, item 15: an evaluator beside a trainer that keeps 2 checkpoints. Right after TensorFlow's restore
+    # opened ckpt-10, "the trainer" rotates ckpt-10 away (TensorFlow deletes the index first): the restore fails, and
+    # the evaluator reported the healthy ckpt-20 as unreadable with ckpt-10's error, as the restore cut short had
+    # left a restoration of ckpt-10 pending in the evaluator's checkpoint object.
+    real = tf_checkpoint.py_checkpoint_reader
+
+    class Rotating:
+        @staticmethod
+        def NewCheckpointReader(path):  # noqa: N802 -- TensorFlow's name
+            reader = real.NewCheckpointReader(path)
+            if path == ckpt(m_copy, 10) and os.path.exists(path + ".index"):
+                os.remove(path + ".index")
+            return reader
+
+    monkeypatch.setattr(tf_checkpoint, "py_checkpoint_reader", Rotating)
+    with open(os.path.join(m_copy, "TRAINING_DONE"), "w") as f:
+        f.write("20\n")
+    lines = []
+    results = Controller(experiment.resolve(M).params, m_copy, log=lines.append, quiet=True).evaluate(
+        follow=True, poll_secs=0, timeout_secs=60)
     assert sorted(results) == [20]
     assert not [line for line in lines if "unreadable" in line or "warning" in line], lines

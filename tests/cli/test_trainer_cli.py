@@ -41,11 +41,16 @@ def test_unknown_params_key_and_wrong_type(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.exhaustive(covered_by=(
+    "tests/cli/test_logdir_faults.py::test_a_logdir_that_is_a_file_is_named_as_one_before_the_model_is_built",
+    "tests/cli/test_logdir_faults.py::test_a_directory_under_a_file_is_named_with_that_file",
+))
 def test_unwritable_logdir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     assert_user_error(trainer(f"--model={KEY}", f"--logdir={blocker}/run", "--max_steps=1"),
-                      f"--logdir='{blocker}/run'", "pass a directory you can write to")
+                      f"--logdir='{blocker}/run' lies under {blocker}, which is a file, not a directory",
+                      "pass the path of a directory")
 
 
 def test_logdir_of_another_model_is_refused_and_left_intact(tmp_path):

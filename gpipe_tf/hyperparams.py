@@ -545,24 +545,15 @@ class Params:
     __hash__ = None  # mutable, so unhashable
 
     def diff(self, other: Params) -> list[str]:
-        """Readable differences: 'a.b: 64 -> 128', 'only in self: x.y', 'only in other: z'."""
-        mine, theirs = self._flatten(with_nodes=True), other._flatten(with_nodes=True)
+        """Readable differences: 'a.b: 64 -> 128', 'only in self: x.y', 'only in other: z' (what a node only one
+        side has holds is listed too)."""
+        return [f"only in self: {path}" if there is None else f"only in other: {path}" if here is None
+                else f"{path}: {here} -> {there}" for path, here, there in self.differences(other, whole_nodes=False)]
 
-        def show(v: Any) -> str:
-            return v if isinstance(v, _Node) else _format(v, "", strict=False)
-
-        lines = []
-        for path, value in mine.items():
-            if path not in theirs:
-                lines.append(f"only in self: {path}")
-            elif not _same(value, theirs[path]):
-                lines.append(f"{path}: {show(value)} -> {show(theirs[path])}")
-        return lines + [f"only in other: {path}" for path in theirs if path not in mine]
-
-    def differences(self, other: Params) -> list[tuple[str, str | None, str | None]]:
+    def differences(self, other: Params, whole_nodes: bool = True) -> list[tuple[str, str | None, str | None]]:
         """(path, value here, value in `other`) of each field that differs, values as text, None standing for the
-        side that lacks it. A node only one side has, or of another class or length on each, is one entry: what it
-        holds is not listed again."""
+        side that lacks it. With `whole_nodes`, a node only one side has, or of another class or length on each, is
+        one entry: what it holds is not listed again."""
         mine, theirs = self._flatten(with_nodes=True), other._flatten(with_nodes=True)
 
         def show(v: Any) -> str:
@@ -577,7 +568,7 @@ class Params:
             if here is not _ABSENT and there is not _ABSENT and _same(here, there):
                 continue
             out.append((path, None if here is _ABSENT else show(here), None if there is _ABSENT else show(there)))
-            if isinstance(here, _Node) or isinstance(there, _Node):
+            if whole_nodes and (isinstance(here, _Node) or isinstance(there, _Node)):
                 whole.append(path)
         return out
 
@@ -586,12 +577,11 @@ class Params:
         class of the nearest InstantiableParams above it (False when no class above it gives defaults, or none for
         this field or item). ParamsError when `dotted` leads nowhere in this tree."""
         segments = _parse_path(dotted, item_last=True)
-        value = _walk(self, segments, dotted)
-        owner, rest, node = (self if isinstance(self, InstantiableParams) else None), segments, self
-        for i, segment in enumerate(segments[:-1]):
-            node = _walk(node, [segment], dotted)
-            if isinstance(node, InstantiableParams):
-                owner, rest = node, segments[i + 1:]
+        owner, rest, value = None, segments, self
+        for i, segment in enumerate(segments):
+            if isinstance(value, InstantiableParams):
+                owner, rest = value, segments[i:]
+            value = _walk(value, [segment], dotted)
         defaults = None if owner is None else _default_params(owner.cls)
         if defaults is None:
             return False
@@ -712,7 +702,7 @@ class Params:
             # A class path or a name the current class knows: the node becomes that class's default Params, whose
             # fields the same override string may set after it.
             replacement = _replacement_node(current, text, key)
-            if replacement is not None:
+            if replacement is not current:
                 _note_reset(notes, f"{key}={text}", current, replacement)
                 parent._values[name] = replacement
             return self
@@ -772,18 +762,20 @@ def _set_fields(node: InstantiableParams) -> list[str]:
 
 def _note_reset(notes: list[str] | None, override: str, old: InstantiableParams, new: InstantiableParams) -> None:
     """Appends to `notes` the line saying which settings of `old` the override replacing it by `new` drops."""
+    if notes is None:
+        return
     dropped = _set_fields(old)
-    if notes is None or not dropped:
+    if not dropped:
         return
     old_name, new_name = _class_name(old.cls), _class_name(new.cls)
     notes.append(f"{override} replaces {old_name} by {new_name} at its defaults, so what was set on {old_name} is "
                  f"reset: {', '.join(dropped)} (set {new_name}'s fields after the class in --params)")
 
 
-def _replacement_node(current: InstantiableParams, text: str, key: str) -> InstantiableParams | None:
+def _replacement_node(current: InstantiableParams, text: str, key: str) -> InstantiableParams:
     """The node an override `key=text` puts in place of `current`: a class path gives that class's default
     Params; another word is looked up by `current.cls.named_params(word)` (e.g. a schedule's short name).
-    None when the class named is the one `current` has: its fields stay as the experiment and the overrides
+    `current` itself when the class named is the one it has: its fields stay as the experiment and the overrides
     before set them."""
     word = text.strip()
     if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"":
@@ -794,7 +786,7 @@ def _replacement_node(current: InstantiableParams, text: str, key: str) -> Insta
         except ParamsError as e:
             raise ParamsError(f"{key}={text}: {e}") from None
         if cls is current.cls:
-            return None
+            return current
         defaults = _default_params(cls)
         if defaults is None:
             raise ParamsError(f"{key}={text}: {word} has no params() classmethod giving its default Params; "
@@ -809,7 +801,7 @@ def _replacement_node(current: InstantiableParams, text: str, key: str) -> Insta
         named = by_name(word)
     except ParamsError as e:
         raise ParamsError(f"{key}={text}: {e}") from None
-    return None if named.cls is current.cls else named
+    return current if named.cls is current.cls else named
 
 
 class InstantiableParams(Params):

@@ -24,7 +24,6 @@ import traceback
 import types
 import weakref
 from collections.abc import Callable
-from types import ModuleType
 from typing import TypeVar
 
 # The built-in experiments' package: the checkout's `params/` folder, installed under this name (see setup.py).
@@ -101,8 +100,9 @@ def register(cls: T | None = None, *, key: str | None = None) -> T | Callable[[T
 
 
 def _module_body(module: str) -> tuple[types.CodeType, int] | None:
-    """(code object, current line) of the body of `module` when it is running now (it holds the class statement
-    being registered), else None (a class registered by a function call, not at a module's top level)."""
+    """(code object, current line) of the body of `module` when it is running now, found up the call stack (it
+    holds the class statement being registered, or the call of a function that registers one), else None (a class
+    registered after its module was imported)."""
     frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == module:
@@ -138,7 +138,7 @@ def _where_raised(name: str, error: BaseException) -> str | None:
     return None if frame is None else f"{frame.filename}:{frame.lineno}"
 
 
-def _import(name: str) -> ModuleType:
+def _import(name: str) -> types.ModuleType:
     """importlib.import_module(name); an error the module raises is a ModuleImportError naming the module, the
     error and the line that raised it. A missing `name` (or a package above it) raises ModuleNotFoundError as it is,
     and a RegistryError (e.g. a duplicate key) stays itself: both already name what is wrong."""

@@ -515,9 +515,6 @@ class Controller:
                 if path in unreadable:
                     continue
                 reason = self._restore_for_eval(checkpoint, path)
-                if reason is not None and os.path.exists(path + ".index"):
-                    # Read once more before reporting: only a checkpoint that is still there and fails again is.
-                    reason = self._restore_for_eval(checkpoint, path)
                 if reason is not None:
                     if os.path.exists(path + ".index"):  # not merely deleted by max_checkpoints_to_keep
                         self.log(f"warning: checkpoint {path} is unreadable ({reason}); not evaluated")

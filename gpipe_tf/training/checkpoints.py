@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import tensorflow as tf
 from google.protobuf import text_format
@@ -19,7 +20,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tensorflow.python.training import checkpoint_state_pb2  # the state file's proto; TensorFlow exports no alias
 
 from gpipe_tf.errors import ConfigError
-from gpipe_tf.training.logdir import CHECKPOINT_DIR
+from gpipe_tf.training.logdir import CHECKPOINT_DIR, PARAMS_FILE
 
 STATE_FILE = "checkpoint"
 _FILE_RE = re.compile(r"^ckpt-(\d+)\.(index|data-\d+-of-\d+)$")
@@ -251,36 +252,40 @@ _ITERATIONS_KEY = "optimizer/iterations/.ATTRIBUTES/VARIABLE_VALUE"
 _VALUE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 
-def _object_graph(path: str) -> tuple[trackable_object_graph_pb2.TrackableObjectGraph, dict[str, list[int]]]:
-    """The saved object graph of checkpoint `path` and its values' shapes by checkpoint key."""
+class SavedLayout(NamedTuple):
+    """What a checkpoint holds, read once from its index: the names of its top-level objects (task, optimizer,
+    ema, ...), {checkpoint key: the saved variable's name} and {checkpoint key: shape}."""
+
+    top_level: frozenset[str]
+    names: dict[str, str]
+    shapes: dict[str, list[int]]
+
+
+def saved_layout(path: str) -> SavedLayout:
+    """The `SavedLayout` of checkpoint `path`."""
     reader = tf.train.load_checkpoint(path)
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
-    return graph, {key: list(shape) for key, shape in reader.get_variable_to_shape_map().items()}
+    return SavedLayout(
+        top_level=frozenset(child.local_name for child in graph.nodes[0].children),
+        names={attribute.checkpoint_key: attribute.full_name for node in graph.nodes for attribute in node.attributes},
+        shapes={key: list(shape) for key, shape in reader.get_variable_to_shape_map().items()})
 
 
-def _saved_names(path: str) -> tuple[dict[str, str], dict[str, list[int]]]:
-    """({checkpoint key: the saved variable's name}, {checkpoint key: shape}) of checkpoint `path`."""
-    graph, shapes = _object_graph(path)
-    names = {attribute.checkpoint_key: attribute.full_name for node in graph.nodes for attribute in node.attributes}
-    return names, shapes
+def _run_params(path: str) -> str:
+    """The params.txt of the run whose checkpoint `path` (LOGDIR/checkpoints/ckpt-N) is."""
+    return os.path.join(os.path.dirname(os.path.dirname(path)), PARAMS_FILE)
 
 
-def _unmatched_objects(checkpoint: tf.train.Checkpoint, path: str) -> set[str]:
-    """The names of the objects saved at the top of checkpoint `path` (task, optimizer, ema, ...) that `checkpoint`
-    has none of."""
-    graph, _ = _object_graph(path)
-    return {child.local_name for child in graph.nodes[0].children if not hasattr(checkpoint, child.local_name)}
-
-
-def source_variables(path: str) -> dict[str, tuple[str, list[int]]]:
-    """The task variables of a trainer checkpoint: {variable name: (checkpoint key, shape)}."""
-    names, shapes = _saved_names(path)
+def source_variables(path: str, layout: SavedLayout | None = None) -> dict[str, tuple[str, list[int]]]:
+    """The task variables of a trainer checkpoint: {variable name: (checkpoint key, shape)} (`layout`: its
+    `saved_layout`, when read already)."""
+    _, names, shapes = layout or saved_layout(path)
     return {name: (key, shapes[key]) for key, name in names.items()
             if key.startswith(_TASK_PREFIX) and key in shapes and name}
 
 
-def optimizer_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
+def optimizer_mismatch(checkpoint: tf.train.Checkpoint, path: str, layout: SavedLayout | None = None) -> str | None:
     """How the optimizer slots of checkpoint `path` differ from those of `checkpoint.optimizer`, naming both
     optimizers and the way on (None: the same slots, or `checkpoint` restores no optimizer).
 
@@ -292,7 +297,7 @@ def optimizer_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None
     own_slots = getattr(optimizer, "slots", None)
     if own_slots is None:
         return None
-    names, shapes = _saved_names(path)
+    _, names, shapes = layout or saved_layout(path)
     saved = {key[len(_SLOTS_PREFIX):-len(_VALUE_SUFFIX)]: shape for key, shape in shapes.items()
              if key.startswith(_SLOTS_PREFIX) and key.endswith(_VALUE_SUFFIX)}
     # Checkpoint keys escape a '.' of an object's name as '..' (slot keys hold no '/').
@@ -302,11 +307,16 @@ def optimizer_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None
         return None
     saved_name = names.get(_ITERATIONS_KEY, "").rsplit("/", 1)[0] or "of unknown name"
     own_name = optimizer.p.name
+    run_params = _run_params(path)
+    if saved_name == own_name:
+        return (f"checkpoint {path} holds slots of optimizer {own_name} of other names or shapes than this run's: "
+                f"train.optimizer's settings differ from those in {run_params} (e.g. a factoring threshold); resume "
+                "with that run's settings, or start a new run from these weights: a new --logdir and "
+                f"--params=train.init_from.checkpoint={path} (a fine-tune: docs/fine_tuning.md#another-optimizer)")
 
     def slot_names(layout: dict[str, list[int]]) -> str:
         return ", ".join(sorted({key.rsplit("/", 1)[1] for key in layout})) or "none"
 
-    run_params = os.path.join(os.path.dirname(os.path.dirname(path)), "params.txt")
     return (f"checkpoint {path} holds the slots of optimizer {saved_name} ({slot_names(saved)}), this run's optimizer "
             f"{own_name} keeps others ({slot_names(own)}): the optimizer's slots differ from the checkpoint's, so its "
             f"state cannot continue here; resume with the run's own optimizer ({saved_name}: train.optimizer as in "
@@ -319,7 +329,7 @@ def variable_name(variable: tf.Variable) -> str:
     return variable.name.rsplit(":", 1)[0]
 
 
-def model_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
+def model_mismatch(checkpoint: tf.train.Checkpoint, path: str, layout: SavedLayout | None = None) -> str | None:
     """How the model variables of checkpoint `path` differ from those of `checkpoint.task` (None: the same names
     and shapes, or `checkpoint` has no task).
 
@@ -329,7 +339,7 @@ def model_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
     task = getattr(checkpoint, "task", None)
     if task is None:
         return None
-    saved = {name: shape for name, (_, shape) in source_variables(path).items()}
+    saved = {name: shape for name, (_, shape) in source_variables(path, layout).items()}
     own = {variable_name(v): v.shape.as_list() for v in task.variables}
     extra = sorted(set(saved) - set(own))
     missing = sorted(set(own) - set(saved))
@@ -339,7 +349,7 @@ def model_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str | None:
         ("other shapes:", reshaped)) if names]
     if not parts:
         return None
-    run_params = os.path.join(os.path.dirname(os.path.dirname(path)), "params.txt")
+    run_params = _run_params(path)
     model = _model_of(run_params)
     return "; ".join(parts) + (f"; {run_params} names its model {model}" if model else "")
 
@@ -371,11 +381,12 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False,
     theirs claiming it "could not be found". The values inside the objects both hold are compared before
     (model_mismatch, optimizer_mismatch).
     """
-    mismatch = model_mismatch(checkpoint, path)
+    layout = saved_layout(path)
+    mismatch = model_mismatch(checkpoint, path, layout)
     if mismatch:
         raise ConfigError(f"checkpoint {path} does not match this model ({mismatch}); use the --model of the run "
                           "that wrote it, or a new --logdir")
-    other_optimizer = optimizer_mismatch(checkpoint, path)
+    other_optimizer = optimizer_mismatch(checkpoint, path, layout)
     if other_optimizer:
         raise ConfigError(other_optimizer)
     # Made before the restore: tf.train.Checkpoint.restore makes its save counter after reading and then restores it
@@ -389,7 +400,8 @@ def restore(checkpoint: tf.train.Checkpoint, path: str, partial: bool = False,
             status.expect_partial()
         else:
             status.assert_existing_objects_matched()
-            if read_elsewhere and _unmatched_objects(checkpoint, path) <= set(read_elsewhere):
+            unmatched = {name for name in layout.top_level if not hasattr(checkpoint, name)}
+            if read_elsewhere and unmatched <= set(read_elsewhere):
                 status.expect_partial()
     except (tf.errors.InvalidArgumentError, ValueError, AssertionError) as e:
         if status is not None:

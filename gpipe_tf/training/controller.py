@@ -204,10 +204,9 @@ class Controller:
                               f"{self.layout.num_replicas} data-parallel replicas; use a multiple of "
                               f"{self.layout.num_replicas} (each replica gets an equal slice)")
         self.learner = Learner(self.task, tp, self.layout)
-        scaling = self.learner.loss_scale
-        self._zero_watch = ZeroGradientWatch(
-            stages_of(self.task, self.learner.variables_to_train), self.learner.gradient_names(),
-            "none" if scaling is None else "dynamic" if scaling.dynamic else "fixed", tp.loss_scale)
+        self._zero_watch = ZeroGradientWatch(stages_of(self.task, self.learner.variables_to_train),
+                                             self.learner.gradient_names(), self.learner.loss_scale_method,
+                                             tp.loss_scale)
         self.train_input = self.params.input.train.instantiate()
         self.train_iterator = iter(self.train_input.dataset())
         state = dict(task=self.task, optimizer=self.learner.optimizer, global_step=self.learner.global_step,
@@ -269,9 +268,8 @@ class Controller:
                 self.log(f"note: train.keep_best_metric={tp.keep_best_metric!r} is kept by --mode=train_and_eval; "
                          "this mode does not evaluate, so logdir/best is not updated")
             else:
-                mode = keep_best.resolve_mode(self._best_metric[1], tp.keep_best_mode)
-                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, *self._best_metric, mode,
-                                                      self.log, chosen=tp.keep_best_mode)
+                self._best = keep_best.BestCheckpoint(self.checkpoint, self.logdir, *self._best_metric,
+                                                      tp.keep_best_mode, self.log)
         if step >= tp.max_steps:
             self.log(f"step {step} >= max_steps {tp.max_steps}: nothing to train")
             self._mark_done(step)

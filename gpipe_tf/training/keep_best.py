@@ -95,21 +95,19 @@ def remove_leftovers(logdir: str) -> list[str]:
 class BestCheckpoint:
     """Saves `checkpoint` to logdir/best when an evaluation improves the chosen metric.
 
-    `mode`: 'max' or 'min' (`resolve_mode`); `chosen`: the train.keep_best_mode it came from, named on the console.
+    `mode`: train.keep_best_mode ('max', 'min' or 'auto', resolved by `resolve_mode`), named on the console.
     """
 
     def __init__(self, checkpoint: tf.train.Checkpoint, logdir: str, dataset: str, metric: str, mode: str,
-                 log: Callable[[str], None], chosen: str = "") -> None:
-        if mode not in ("max", "min"):
-            raise ValueError(f"BestCheckpoint needs mode 'max' or 'min' (keep_best.resolve_mode), got {mode!r}")
-        self.dataset, self.metric, self.mode = dataset, metric, mode
+                 log: Callable[[str], None]) -> None:
+        self.dataset, self.metric, self.mode = dataset, metric, resolve_mode(metric, mode)
         self.name = f"{dataset}/{metric}"
         self.log = log
         self.directory = best_dir(logdir)
         self.record_path = os.path.join(self.directory, RECORD_FILE)
         self.manager = checkpoints.make_manager(checkpoint, self.directory, max_to_keep=1)
         self.best = self._read_record()
-        self.log(describe(self.name, mode, chosen or mode, self.directory))
+        self.log(describe(self.name, self.mode, mode, self.directory))
 
     def _read_record(self) -> dict | None:
         """The record of earlier runs, if it is about the same metric and mode (else the best restarts)."""

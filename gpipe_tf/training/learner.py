@@ -128,7 +128,10 @@ class Learner(tf.Module):
         layers = [m for m in (task, *task.submodules) if isinstance(m, BaseLayer)]
         self._stat_layers = [m for m in layers if type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
         self._stepped_layers = [m for m in layers if type(m).set_training_step is not BaseLayer.set_training_step]
-        method = loss_scale_lib.resolve_method(train_params.loss_scale, {m.fprop_dtype for m in layers})
+        # 'none', 'fixed' or 'dynamic': train.loss_scale.method with 'auto' resolved by the layers' dtypes.
+        self.loss_scale_method = loss_scale_lib.resolve_method(train_params.loss_scale,
+                                                               {m.fprop_dtype for m in layers})
+        method = self.loss_scale_method
         self.precision = precision_of(layers, method, train_params.loss_scale)
         self.loss_scale = (None if method == "none" else
                            loss_scale_lib.LossScale(train_params.loss_scale, method))
@@ -162,8 +165,8 @@ class Learner(tf.Module):
         finite = [tf.constant(True) if g is None else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
         grads_ok = tf.stack(finite) if finite else tf.ones([0], tf.bool)
         # Every element exactly zero (float16 underflow, or no path from the loss): zero_gradients.ZeroGradientWatch.
-        zero = [tf.constant(True) if g is None else tf.logical_not(tf.reduce_any(tf.not_equal(
-            g.values if isinstance(g, tf.IndexedSlices) else g, 0))) for g in grads]
+        zero = [tf.constant(True) if g is None else
+                tf.reduce_all(tf.equal(g.values if isinstance(g, tf.IndexedSlices) else g, 0)) for g in grads]
         grads_zero = tf.stack(zero) if zero else tf.ones([0], tf.bool)
         all_finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(loss)), tf.reduce_all(grads_ok))
         report_nonfinite = tf.logical_not(all_finite)

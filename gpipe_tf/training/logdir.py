@@ -130,12 +130,12 @@ def resume_warnings(logdir: str, params: Params, task: Any) -> list[str]:
         return []
     if "task" not in old or "task" not in params:
         return []
-    changed = [line for line in old.get("task").diff(params.get("task"))
-               if line.split(": ", 1)[0].rsplit(".", 1)[-1] == "num_micro_batches"]
+    changed = [(path, there, here) for path, there, here in old.get("task").differences(params.get("task"))
+               if path.rsplit(".", 1)[-1] == "num_micro_batches" and there is not None and here is not None]
     affected = _micro_batch_sensitive(task)
     if not changed or not affected:
         return []
-    before = "; ".join("task.{} {}".format(*line.split(": ", 1)) for line in changed)
+    before = "; ".join(f"task.{path} {there} -> {here}" for path, there, here in changed)
     return [f"warning: resuming with {before}: {' and '.join(affected)} depend on the split into micro-batches, "
             "so the steps from here differ from those of an uninterrupted run with the old value (everything else "
             "is unchanged); resume with the old num_micro_batches to continue it exactly"]

@@ -22,6 +22,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.hyperparams import Params
 from gpipe_tf.layers.base_layer import BaseLayer
+from gpipe_tf.training import checkpoints
 
 # Steps in a row with every gradient of a stage exactly zero before the warning: more than a zero-initialized output
 # layer gives the stages before it (one step: the layer is non-zero after its first update).
@@ -112,9 +113,7 @@ class ZeroGradientWatch:
         return warnings
 
     def _warning(self, stage: StageGradients, step: int) -> str:
-        names = [self.variable_names[i] for i in stage.indices]
-        shown = ", ".join(names[:_NAMES_SHOWN]) + (f" and {len(names) - _NAMES_SHOWN} more"
-                                                   if len(names) > _NAMES_SHOWN else "")
+        shown = checkpoints.listed([self.variable_names[i] for i in stage.indices], _NAMES_SHOWN)
         first = step - self.steps_in_a_row + 1
         return (f"warning: every gradient of {stage.name} ({shown}) was exactly zero in steps {first}-{step} "
                 f"({self.steps_in_a_row} in a row), so its weights do not train: "

@@ -79,3 +79,10 @@ def test_optimizer_slots_other_than_the_checkpoints_are_named_with_both_optimize
     # AdamW keeps Adam's slots (its weight decay never enters them): it continues from them.
     assert checkpoints.optimizer_mismatch(with_optimizer(AdamW.params()), path) is None
     assert checkpoints.optimizer_mismatch(tf.train.Checkpoint(task=task), path) is None  # an evaluator's
+    # The same optimizer with settings that shape other slots: said so, not "adafactor ... keeps others than adafactor".
+    unfactored = with_optimizer(Adafactor.params()).write(str(tmp_path / "af" / "checkpoints" / "ckpt-2"))
+    assert checkpoints.optimizer_mismatch(with_optimizer(factored), unfactored) == (
+        f"checkpoint {unfactored} holds slots of optimizer adafactor of other names or shapes than this run's: "
+        f"train.optimizer's settings differ from those in {tmp_path}/af/params.txt (e.g. a factoring threshold); "
+        "resume with that run's settings, or start a new run from these weights: a new --logdir and "
+        f"--params=train.init_from.checkpoint={unfactored} (a fine-tune: docs/fine_tuning.md#another-optimizer)")

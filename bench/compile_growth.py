@@ -39,7 +39,7 @@ def measure(schedule: str, m: int) -> tuple[float, float]:
     x = tf.random.stateless_normal([64, 16, 64], [1, 2])
     size = float(x.shape.num_elements())
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
             head = PipelineLoss(squares, (), {"scale": tf.ones([x.shape[0]])}, tf.constant(1.0 / size))

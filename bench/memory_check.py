@@ -140,7 +140,7 @@ def measure_stage(model: str, gin: tuple[str, ...], overrides: str, stage: int) 
     x = tf.nest.pack_sequence_as(info["spec"], [full(sp, i) for i, sp in enumerate(flat_specs)])
     ctx = FPropContext(training=True, seed=tf.constant([1, 2], tf.int64))
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x: Any, weights: Any) -> tf.Tensor:
         floats = [t for t in tf.nest.flatten(x) if t.dtype.is_floating] if stage > 0 else []
         with tf.GradientTape() as tape:

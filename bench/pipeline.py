@@ -87,7 +87,7 @@ def build_step(workload: str, k: int, m: int, remat: str, devices: list[str], sc
     loss = PipelineLoss(fn=lambda head, out, targets, micro_ctx: {"loss": tf.reduce_sum(tf.square(out))},
                         head_weights=(), targets={}, gradient_seed=tf.constant(1.0 / size))
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
             mean_square = pipe.fprop_with_loss(pipe.theta, x, loss, ctx)["loss"] / size
@@ -111,7 +111,7 @@ def matmul_flops_per_sec(device: str) -> float:
     with tf.device(device):
         a = tf.random.normal([n, n]) / n
 
-    @tf.function
+    @tf.function(autograph=False)
     def f(x: tf.Tensor) -> tf.Tensor:
         with tf.device(device):
             for _ in range(chain):

@@ -349,9 +349,12 @@ def main(argv: list[str]) -> None:
         # tf.function tracing wraps errors raised in user code (autograph's StagingError): the original is in the
         # exception's chain. An OSError is a full disk or a permission: fixable by the user too.
         cause = errors.find_in_chain(e, user_errors) or errors.find_in_chain(e, (OSError,))
-        if cause is None:
+        graph_control_flow = errors.tensor_as_python_value(e) if cause is None else None
+        if cause is None and graph_control_flow is None:
             raise
         _print_traceback(e)
+        if graph_control_flow is not None:
+            _fail(graph_control_flow)
         if isinstance(cause, OSError):
             _fail(f"cannot access {cause.filename or 'a file'}: {cause.strerror or cause}; free disk space or fix the "
                   "permissions, then run again")

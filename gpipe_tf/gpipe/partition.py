@@ -116,7 +116,7 @@ def time_layers(layers: Sequence[Any], sample: Any, repeats: int = 3) -> list[fl
     times, x = [], sample
     ctx = FPropContext(training=False)
     for layer in layers:
-        fn = tf.function(lambda inp, layer=layer: layer.fprop(layer.theta, inp, ctx))
+        fn = tf.function(lambda inp, layer=layer: layer.fprop(layer.theta, inp, ctx), autograph=False)
         y = fn(x)  # trace and warm up
         samples = []
         for _ in range(repeats):

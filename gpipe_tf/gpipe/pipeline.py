@@ -151,7 +151,8 @@ class GPipe(BaseLayer):
         except NotImplementedError:
             pass
         ctx = FPropContext(training=False)
-        traced = tf.function(lambda x: self._run_all(self.theta, x, ctx)).get_concrete_function(micro_batch_spec)
+        traced = tf.function(lambda x: self._run_all(self.theta, x, ctx),
+                             autograph=False).get_concrete_function(micro_batch_spec)
         return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), traced.structured_outputs)
 
     def fprop_in_sequence(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:

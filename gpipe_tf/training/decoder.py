@@ -45,7 +45,7 @@ def _translator(task: tf.Module, ep: Params, max_length: int, bos_id: int, eos_i
     """The traced decoding of one batch of a dataset (beam or greedy search, as `ep` says)."""
     return tf.function(lambda batch: task.decode(batch, max_length, beam_size=ep.beam_size,
                                                  length_penalty_alpha=ep.length_penalty_alpha, bos_id=bos_id,
-                                                 eos_id=eos_id))
+                                                 eos_id=eos_id), autograph=False)
 
 
 def decode(task: tf.Module, params: Params, logdir: str, log: Callable[[str], None], checkpoint: str | None = None,

@@ -25,7 +25,7 @@ class Evaluator:
         self.task = task
         self.name = dataset_name
         self.input = input_params.instantiate()
-        self._step = tf.function(self._eval_step)
+        self._step = tf.function(self._eval_step, autograph=False)
 
     def _eval_step(self, batch: Mapping[str, tf.Tensor]) -> dict[str, tuple[tf.Tensor, tf.Tensor]]:
         _, metrics = self.task.compute_loss(self.task.fprop_theta, batch, FPropContext(training=False))

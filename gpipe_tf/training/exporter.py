@@ -64,7 +64,7 @@ class ClassifierServing(tf.Module):
         super().__init__(name="classifier_serving")
         self.task = task
         self.serve = tf.function(lambda inputs: {"logits": classifier_logits(self.task, inputs)},
-                                 input_signature=[input_spec])
+                                 autograph=False, input_signature=[input_spec])
 
 
 class TranslationServing(tf.Module):
@@ -83,7 +83,8 @@ class TranslationServing(tf.Module):
                                    bos_id=bos_id, eos_id=eos_id)
             return {"output_ids": ids}
 
-        self.serve = tf.function(translate, input_signature=[tf.TensorSpec([None, None], tf.int32, name="src_ids")])
+        self.serve = tf.function(translate, autograph=False,
+                                 input_signature=[tf.TensorSpec([None, None], tf.int32, name="src_ids")])
 
 
 def _input_params(params: Params) -> Params:

@@ -139,7 +139,7 @@ class Learner(tf.Module):
         self.optimizer.build(self.variables_to_train)
         self.ema = (weight_ema_lib.WeightEma(self.variables_to_train, train_params.ema_decay)
                     if train_params.ema_decay else None)
-        self.train_step = tf.function(self._train_step)
+        self.train_step = tf.function(self._train_step, autograph=False)
         # The names of the task's metrics (what evaluation reports too), known once the step has been traced.
         self.task_metric_names: tuple[str, ...] = ()
 
@@ -273,7 +273,7 @@ class Learner(tf.Module):
         """Names of the trained variables (without ':0'), in the order of the `nonfinite_gradients` mask."""
         return [v.name.rsplit(":", 1)[0] for v in self.variables_to_train]
 
-    @tf.function
+    @tf.function(autograph=False)
     def nonfinite_variables(self) -> tf.Tensor:
         """A mask over `variables_to_train`: True where a variable holds a NaN or Inf."""
         return tf.stack([tf.logical_not(tf.reduce_all(tf.math.is_finite(v))) for v in self.variables_to_train])

@@ -125,7 +125,7 @@ class ReplicaLayout:
         names = sorted(settings)
         mine = tf.constant([float(settings[n]) for n in names], tf.float64)
 
-        @tf.function
+        @tf.function(autograph=False)
         def moments() -> list[tf.Tensor]:
             parts = [[mine, tf.square(mine)]] + [[tf.zeros_like(mine)] * 2] * (self.local_replicas - 1)
             return self.all_reduce(tf.distribute.ReduceOp.SUM, parts)
@@ -143,7 +143,7 @@ class ReplicaLayout:
         if self.num_workers == 1 or not variables:
             return
 
-        @tf.function
+        @tf.function(autograph=False)
         def broadcast() -> None:
             keep = tf.constant(self.is_chief)
             mine = [tf.where(keep, v.read_value(), tf.zeros_like(v)) for v in variables]

@@ -27,14 +27,14 @@ def test_category_of_op_types(op_type, expected):
 def test_breakdown_attributes_a_profiled_step_to_its_ops():
     a = tf.constant(np.random.default_rng(0).standard_normal((256, 256)), tf.float32)
 
-    @tf.function
+    @tf.function(autograph=False)
     def matmuls() -> tf.Tensor:
         x = a
         for _ in range(8):
             x = tf.matmul(x, a) / 16.0
         return tf.reduce_sum(x)
 
-    @tf.function
+    @tf.function(autograph=False)
     def softmaxes() -> tf.Tensor:
         x = a
         for _ in range(8):
@@ -68,7 +68,7 @@ TRACE_SCRIPT = textwrap.dedent("""
         devices = workers.connect(cluster.spec)
         a = tf.random.stateless_normal([128, 128], [1, 2])
 
-        @tf.function
+        @tf.function(autograph=False)
         def step():
             with tf.device(devices[0]):
                 x = a

@@ -78,7 +78,7 @@ def test_trained_tiny_model_decodes_known_strings(tmp_path):
     vocab = train_input.vocab
     batch = next(iter(train_input.dataset()))
     ids = tf.function(lambda b: controller.task.decode(b, 16, beam_size=2, bos_id=vocab.bos_id,
-                                                       eos_id=vocab.eos_id))(batch)
+                                                       eos_id=vocab.eos_id), autograph=False)(batch)
     translations = {src: vocab.decode(row) for (src, _, _), row in zip(train_input.references(), ids.numpy().tolist())}
     expected = {src: ref for src, ref, _ in train_input.references()[:16]}
     assert len(expected) == 16 and translations == expected

@@ -29,6 +29,36 @@ EXPERIMENT = textwrap.dedent('''\
     ''')
 
 
+BRANCHING = textwrap.dedent('''\
+    """An experiment whose layer branches on a tensor with a Python if."""
+
+    import tensorflow as tf
+
+    from gpipe_tf import model_registry
+    from gpipe_tf.layers.activations import Activation
+    from gpipe_tf.params.toy.classifier import BlobsMlp
+
+
+    class BranchingRelu(Activation):
+        """ReLU where some input is positive, identity elsewhere, written as a Python if on a tensor."""
+
+        def fprop(self, theta, inputs, ctx):
+            if tf.reduce_max(inputs) > 0:
+                return tf.nn.relu(inputs)
+            return inputs
+
+
+    @model_registry.register
+    class BranchingMlp(BlobsMlp):
+        """BlobsMlp with the branching layer after its first hidden layer."""
+
+        def task(self):
+            p = super().task()
+            p.network.layers.insert(1, BranchingRelu.params().set(name="branching"))
+            return p
+    ''')
+BRANCHING_LINE = 14  # the `if` of BranchingRelu.fprop
+
 RAISING = "RATE = 1\n\n\ndef scale():\n    return RATE / 0\n\n\nFACTOR = scale()\n"  # raises on line 5
 
 
@@ -138,3 +168,20 @@ def test_traceback_flag_prints_the_module_traceback_before_the_line(raising_pack
     assert lines[0] == "Traceback (most recent call last):", lines
     assert f'  File "{raising_package / "raising_user_pkg" / "mine.py"}", line 5, in scale' in lines, lines
     assert "ZeroDivisionError: division by zero" in lines, lines
+
+
+def test_a_layer_that_branches_on_a_tensor_in_python_is_one_line_with_the_ways_out(tmp_path):
+    # The trainer traces without AutoGraph (docs/experiments.md#control-flow-in-a-layer); TensorFlow's own error
+    # suggests decorating with @tf.function, which does not help there.
+    (tmp_path / "branching_user_pkg").mkdir()
+    (tmp_path / "branching_user_pkg" / "__init__.py").write_text("")
+    (tmp_path / "branching_user_pkg" / "mine.py").write_text(BRANCHING)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    result = subprocess.run([sys.executable, "trainer.py", "--module=branching_user_pkg.mine",
+                             "--model=branching_user_pkg.mine.BranchingMlp", f"--logdir={tmp_path / 'run'}",
+                             "--max_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert one_error_line(result) == (
+        f"trainer.py: error: {tmp_path / 'branching_user_pkg' / 'mine.py'}:{BRANCHING_LINE} uses a tensor as a "
+        "Python bool or iterates over it while the step is traced; the trainer traces without AutoGraph "
+        "(docs/experiments.md#control-flow-in-a-layer): write it with tf.cond, tf.where or tf.while_loop, or "
+        "convert that function with tf.autograph.to_graph")

@@ -38,7 +38,7 @@ def head_fn(head, out, targets, ctx):
 
 def loss_and_grads(layer, x, targets, head, seed=None):
     """The mean loss and gradients (layer variables, then the head) of one training step."""
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         ctx = FPropContext(training=True, seed=seed)
         with tf.GradientTape() as tape:

@@ -123,7 +123,8 @@ def test_ted_training_batches_have_bounded_shapes_and_repeat_deterministically(t
     shapes = {b["src_ids"].shape for b in first} | {b["tgt_in_ids"].shape for b in first}
     assert shapes <= {(4, 8), (4, 16), (4, 32)} and len(shapes) >= 2
     # A train step is traced once per bucket shape, not once per batch.
-    traced = tf.function(lambda batch: tf.reduce_sum(batch["src_ids"]) + tf.reduce_sum(batch["tgt_in_ids"]))
+    traced = tf.function(lambda batch: tf.reduce_sum(batch["src_ids"]) + tf.reduce_sum(batch["tgt_in_ids"]),
+                         autograph=False)
     for batch in inp.dataset().take(60):
         traced(batch)
     assert traced.experimental_get_tracing_count() == len({b["src_ids"].shape for b in first})
@@ -261,7 +262,7 @@ def test_batches_feed_the_pipelined_translation_task_unchanged(ted):
         name="t", vocab_size=inp.vocab.size, model_dim=16, num_heads=2, hidden_dim=32, num_encoder_layers=1,
         num_decoder_layers=1)
     task = p.set(network=TranslationTask.network_params(p, num_stages=2, num_micro_batches=2)).instantiate()
-    step = tf.function(lambda batch: task.loss_and_gradients(batch, FPropContext(training=False))[::2])
+    step = tf.function(lambda batch: task.loss_and_gradients(batch, FPropContext(training=False))[::2], autograph=False)
     for batch in itertools.islice(inp.dataset(), 3):
         loss, grads = step(batch)
         assert tf.math.is_finite(loss) and len(grads) == len(task.trainable_variables)

@@ -108,7 +108,7 @@ def test_decoder_fprop_reads_weights_only_from_theta():
     t = randomize(layer, RNG)
     doubled = tf.nest.map_structure(lambda a: tf.constant(2.0 * a), t)
     x, memory, inputs = decoder_inputs()
-    out = tf.function(lambda theta, i: layer.fprop(theta, i, EVAL))(doubled, inputs)
+    out = tf.function(lambda theta, i: layer.fprop(theta, i, EVAL), autograph=False)(doubled, inputs)
     ref = np_decoder(x, TGT_PADDINGS, memory, SRC_PADDINGS, tf.nest.map_structure(lambda a: 2.0 * a, t), layer.p)
     np.testing.assert_allclose(out[0].numpy(), ref, rtol=1e-10)
 
@@ -210,7 +210,7 @@ def test_extend_step_equals_full_fprop_at_every_position(pre_norm, cached_memory
     assert cache["key"].shape == (2, 7, 2, 4) and cache["step"].dtype == tf.int32
     assert ("cross_key" in cache) == cached_memory
     step = tf.function(lambda xs, c: layer.extend_step(layer.theta, xs, c, None if cached_memory else memory, src,
-                                                       EVAL))
+                                                       EVAL), autograph=False)
     for t in range(5):
         y, new_cache = step(x[:, t:t + 1], cache)
         assert y.shape == (2, 1, 8)
@@ -246,7 +246,7 @@ def test_gpipe_of_two_decoder_layers_equals_sequential_in_loss_and_gradients(sch
     src = tf.constant(np.concatenate([SRC_PADDINGS, SRC_PADDINGS[::-1]]))
 
     def loss_and_grads(layer):
-        @tf.function
+        @tf.function(autograph=False)
         def step():
             with tf.GradientTape() as tape:
                 out = layer.fprop(layer.theta, (x, tgt, tf.tanh(memory_var), src), EVAL)
@@ -367,7 +367,8 @@ def hypothesis_log_prob(model, row, seq):
 
 def test_searches_over_a_decoder_layer_with_caches_agree_with_the_full_pass():
     model = TinyDecoder()
-    greedy = tf.function(lambda: greedy_search(model.step_fn, model.initial_state(), 2, MAX_LEN, BOS, EOS))()
+    greedy = tf.function(lambda: greedy_search(model.step_fn, model.initial_state(), 2, MAX_LEN, BOS, EOS),
+                         autograph=False)()
     for row in range(2):
         seq = greedy.numpy()[row]
         lp = model.log_probs(np.concatenate([[BOS], seq[:-1]])[None].repeat(2, 0))[row]
@@ -378,7 +379,7 @@ def test_searches_over_a_decoder_layer_with_caches_agree_with_the_full_pass():
                 break
     alpha = 0.6
     ids, scores = tf.function(lambda: beam_search(model.step_fn, model.initial_state(), 2, 3, MAX_LEN, BOS, EOS,
-                                                  alpha, dtype=tf.float64))()
+                                                  alpha, dtype=tf.float64), autograph=False)()
     ids, scores = ids.numpy(), scores.numpy()
     assert ids.shape == (2, 3, MAX_LEN) and scores.shape == (2, 3)
     # Rescoring every hypothesis with the full pass checks that the caches were reordered with their beams.

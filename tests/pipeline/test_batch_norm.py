@@ -88,14 +88,14 @@ def test_training_mode_gradients_equal_micro_batches_fed_one_by_one():
     seq = Sequential.params().set(name="net", dtype="float64", layers=layers()).instantiate()
     ctx = FPropContext(training=True)
 
-    @tf.function
+    @tf.function(autograph=False)
     def pipelined():
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(pipe.fprop(pipe.theta, x, ctx)))
         with placement.colocate_gradients():
             return loss, tape.gradient(loss, pipe.trainable_variables)
 
-    @tf.function
+    @tf.function(autograph=False)
     def one_by_one():
         with tf.GradientTape() as tape:
             loss = tf.add_n([tf.reduce_sum(tf.square(seq.fprop(seq.theta, x[i * B // M:(i + 1) * B // M], ctx)))

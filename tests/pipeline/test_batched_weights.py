@@ -29,7 +29,7 @@ def deferred_gradients(x, w, extra_use):
     """(dL/dx, dL/dw from the tape, the stash's records) of L = sum(sin(x @ w)) (+ sum(w^2) if extra_use)."""
     stash = weight_gradients.WeightStash()
 
-    @tf.function
+    @tf.function(autograph=False)
     def run(x, w):
         with tf.GradientTape() as tape:
             tape.watch([x, w])
@@ -175,7 +175,7 @@ def _step_graph(layer, x, targets, head):
     from gpipe_tf.gpipe.schedule_base import PipelineLoss
     from gpipe_tf.layers.base_layer import FPropContext
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         with tf.GradientTape() as tape:
             loss = PipelineLoss(head_fn, (head,), targets, tf.constant(1.0, tf.float32))

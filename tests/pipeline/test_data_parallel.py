@@ -99,7 +99,7 @@ def test_each_replica_folds_its_global_index_into_the_step_seed(monkeypatch):
     monkeypatch.setattr(type(task), "loss_and_gradients", recording)
     learner = Learner(task, p.train, layout)
 
-    @tf.function
+    @tf.function(autograph=False)
     def traced_seeds(batch):
         learner._train_step(batch)
         return seeds[-2:]

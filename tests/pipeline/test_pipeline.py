@@ -30,7 +30,7 @@ def build(layers, dtype, k=None, m=1, remat="never", balance=None, schedule="unr
 
 
 def loss_and_grads(layer, inputs, seed=None):
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         ctx = FPropContext(training=seed is not None, seed=seed)
         with tf.GradientTape() as tape:
@@ -143,7 +143,7 @@ def test_fill_drain_backward_loop_keeps_nothing_per_micro_batch(remat):
     to the forward loop's own weight tensors once did)."""
     layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, remat, schedule="fill_drain")
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(layer(x))
@@ -168,7 +168,7 @@ def test_graph_does_not_grow_with_m():
     for m in (2, 4, 8, 12):
         layer = build(layers, "float32", 2, m, "always", schedule="fill_drain")
 
-        @tf.function
+        @tf.function(autograph=False)
         def step(x, layer=layer):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(layer(x))
@@ -187,7 +187,7 @@ def test_fill_drain_keeps_every_stage_state_on_its_device(remat, matmuls):
                                num_micro_batches=4, remat=remat, devices=[DEVICES[1], DEVICES[2]],
                                schedule="fill_drain").instantiate()
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(layer(x))
@@ -239,7 +239,7 @@ def test_partition_table_lists_stages():
 def test_unrolled_schedule_places_every_matmul_on_its_stage(remat):
     layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, remat)
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(layer(x))
@@ -265,7 +265,7 @@ def test_gradient_reaches_a_layer_before_the_pipeline(schedule):
     seq = build(mlp_layers("float64", depth=4), "float64")
 
     def grads(net):
-        @tf.function
+        @tf.function(autograph=False)
         def step():
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(tf.square(net(first(x))))
@@ -345,7 +345,7 @@ def test_integer_leaves_cross_stages_with_every_remat_policy(schedule, remat):
     inputs = {"h": tf.constant(rng.randn(BATCH, 4)), "ids": tf.constant(rng.randint(0, 5, BATCH), tf.int32)}
 
     def run(layer):
-        @tf.function
+        @tf.function(autograph=False)
         def step():
             with tf.GradientTape() as tape:
                 out = layer.fprop(layer.theta, inputs, FPropContext())

@@ -33,7 +33,7 @@ def pipeline(fprop_dtype, k=2, m=4, remat="never", schedule="fill_drain", device
 
 
 def gradients(layer, x, output_scale=1.0):
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         with tf.GradientTape() as tape:
             out = layer(x)
@@ -46,7 +46,7 @@ def gradients(layer, x, output_scale=1.0):
 
 def placed_step(layer):
     """A traced step: the loss in float32 and the gradients of every variable, placed by the stage scopes."""
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.cast(layer(x), tf.float32))
@@ -171,7 +171,8 @@ def regression(fprop_dtype, schedule="fill_drain"):
 
 def task_gradients(task, loss_scale=None):
     scaling = {} if loss_scale is None else {"loss_scale": tf.constant(loss_scale, tf.float32)}
-    fn = tf.function(lambda x: task.loss_and_gradients({"inputs": x}, FPropContext(training=True), **scaling)[2])
+    fn = tf.function(lambda x: task.loss_and_gradients({"inputs": x}, FPropContext(training=True), **scaling)[2],
+                     autograph=False)
     return [g.numpy() for g in fn(tf.constant(X))]
 
 

@@ -118,7 +118,7 @@ def test_input_gradient_reaches_a_layer_before_the_pipeline():
     def run(schedule):
         layer = build(mlp_layers("float64", depth=4), "float64", 2, 4, "never", schedule)
 
-        @tf.function
+        @tf.function(autograph=False)
         def step():
             with tf.GradientTape() as tape:
                 loss = PipelineLoss(head_fn, (head,), targets)
@@ -141,7 +141,7 @@ def _one_f_one_b_step(m, remat="never", devices=DEVICES[:2]):
                                num_micro_batches=m, remat=remat, devices=devices,
                                schedule="one_f_one_b").instantiate()
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(x):
         with tf.GradientTape() as tape:
             loss = PipelineLoss(head_fn, (head,), targets)
@@ -228,7 +228,7 @@ def test_the_loop_builds_its_token_rings_from_the_order_data(reference):
         for g, r in zip(got[1], ref[1]):
             np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12)
 
-        @tf.function
+        @tf.function(autograph=False)
         def step(x, layer=layer):
             loss = PipelineLoss(head_fn, (head,), targets)
             return layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]
@@ -244,7 +244,7 @@ def test_zero_bubble_adds_a_weight_ring_per_stage_to_one_f_one_bs_loop(reference
     for name in ("one_f_one_b", "zero_bubble"):
         layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, 4, "never", name)
 
-        @tf.function
+        @tf.function(autograph=False)
         def step(x, layer=layer):
             loss = PipelineLoss(head_fn, (head,), targets)
             return layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]

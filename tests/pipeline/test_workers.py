@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
         return [Linear.params().set(input_dim=5, output_dim=5, activation="tanh") for _ in range(4)]
 
     def grads(net, x):
-        @tf.function
+        @tf.function(autograph=False)
         def step():
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(tf.square(net.fprop(net.theta, x, FPropContext())))

@@ -102,7 +102,7 @@ def test_greedy_returns_each_rows_known_best_sequence_and_stops_early():
     # Both rows have ended after 4 steps; the remaining 2 are not run.
     assert int(counter.numpy()) == 4
 
-    run = tf.function(lambda state: greedy_search(step_fn, state, 2, max_length, BOS, EOS, pad_id=0))
+    run = tf.function(lambda state: greedy_search(step_fn, state, 2, max_length, BOS, EOS, pad_id=0), autograph=False)
     np.testing.assert_array_equal(run(table_state([1, 0])).numpy(),
                                   [padded((C, A, EOS), max_length, 0), padded((A, B, C, EOS), max_length, 0)])
 
@@ -150,7 +150,7 @@ def test_beam_size_one_equals_greedy(seed):
     state = table_state(range(5))
     greedy = greedy_search(step_fn, state, 5, max_length, BOS, EOS).numpy()
     ids, scores = tf.function(lambda s: beam_search(step_fn, s, 5, 1, max_length, BOS, EOS, 0.0,
-                                                    dtype=tf.float64))(state)
+                                                    dtype=tf.float64), autograph=False)(state)
     np.testing.assert_array_equal(ids.numpy()[:, 0], greedy)
     assert np.any(greedy[:, -1] != EOS) and np.any(greedy[:, -1] == EOS)
     for row in range(5):
@@ -172,7 +172,7 @@ def test_length_penalty_changes_the_ranking():
                                rtol=1e-12)
     step_fn = table_step_fn(logp[None])
     run = tf.function(lambda alpha: beam_search(step_fn, table_state([0]), 1, 2, max_length, BOS, EOS, alpha,
-                                                dtype=tf.float64))
+                                                dtype=tf.float64), autograph=False)
     for alpha, best, other in ((0.0, short, long), (1.0, long, short)):
         ids, scores = beam_search(step_fn, table_state([0]), 1, 2, max_length, BOS, EOS, alpha, dtype=tf.float64)
         assert tuple(ids.numpy()[0, 0][:len(best)]) == best
@@ -226,7 +226,7 @@ def test_beam_search_reorders_the_state_with_its_beams(alpha):
 
     state = {"history": tf.zeros([batch, max_length], tf.int32), "entry": tf.constant([0, 1])}
     ids, scores = tf.function(lambda s: beam_search(step_fn, s, batch, beam, max_length, BOS, EOS, alpha,
-                                                    dtype=tf.float64))(state)
+                                                    dtype=tf.float64), autograph=False)(state)
     ids, scores = ids.numpy(), scores.numpy()
     for entry in range(batch):
         np_fn = models[entry][0]

@@ -51,7 +51,7 @@ def tiny_batch():
 
 
 def loss_and_grads(task, batch, training=False):
-    @tf.function
+    @tf.function(autograph=False)
     def step():
         with tf.GradientTape() as tape:
             loss, metrics = task.compute_loss(task.theta, batch, FPropContext(training=training))
@@ -167,7 +167,7 @@ def test_decode_in_tf_function_returns_valid_ids(beam_size):
     batch = tiny_batch()
     max_length = 7
 
-    @tf.function
+    @tf.function(autograph=False)
     def run(src_ids, src_paddings):
         return task.decode({"src_ids": src_ids, "src_paddings": src_paddings}, max_length, beam_size=beam_size,
                            length_penalty_alpha=0.6, bos_id=BOS, eos_id=EOS)

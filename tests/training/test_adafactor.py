@@ -65,7 +65,7 @@ def test_matches_numpy_reference_in_tf_function(name, shape, overrides):
     opt = Adafactor.params().set(**overrides).instantiate()
     opt.build([var])
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(g, lr):
         opt.apply_gradients([(g, var)], lr)
 

@@ -98,7 +98,7 @@ def test_matches_numpy_in_tf_function(name, cls, overrides, reference):
     opt = make(cls, **overrides)
     opt.build([var, frozen])
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(g, lr):
         opt.apply_gradients([(g, var), (None, frozen)], lr)
 

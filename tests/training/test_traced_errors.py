@@ -19,9 +19,10 @@ def test_a_batch_that_m_does_not_divide_in_a_traced_train_step_is_a_params_error
     assert str(info.value) == "batch size 62 is not divisible by num_micro_batches=4; valid values: [1, 2, 31, 62]"
 
 
-def test_a_params_or_config_error_raised_in_any_traced_function_passes_through_unchanged():
+@pytest.mark.parametrize("autograph", [False, True])  # the trainer's way, and a layer converted by AutoGraph
+def test_a_params_or_config_error_raised_in_any_traced_function_passes_through_unchanged(autograph):
     def raises(error):
-        @tf.function
+        @tf.function(autograph=autograph)
         def step(x):
             if x.shape[0] == 3:
                 raise error

@@ -44,7 +44,7 @@ def test_update_matches_numpy_and_the_swap_restores_the_weights():
     var = tf.Variable(tf.zeros([2, 3], tf.float64), name="ema_unit/w")
     ema = WeightEma([var], 0.7)
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(value):
         var.assign(value)
         ema.update()

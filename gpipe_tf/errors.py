@@ -17,7 +17,7 @@ class TrainingError(RuntimeError):
 def find_in_chain(error: BaseException, types: tuple[type[BaseException], ...]) -> BaseException | None:
     """The first exception of `types` in `error`'s chain (itself, then its causes and contexts), or None.
 
-    tf.function tracing re-raises an error of user code as autograph's StagingError; the original is its context.
+    AutoGraph re-raises an error of code it converted as its StagingError; the original is its context.
     """
     seen: set[int] = set()
     current: BaseException | None = error

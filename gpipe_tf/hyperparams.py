@@ -32,8 +32,9 @@ class ParamsError(ValueError):
     """Bad Params use: unknown name, frozen tree, bad override value or type."""
 
     # Raised while tf.function traces user code (a batch that M does not divide, found only when the step is
-    # traced), TensorFlow's autograph would re-raise it as a StagingError with a multi-line message; this
-    # attribute (autograph's own opt-out) lets it through as itself, so callers catching ParamsError see it.
+    # traced) in a function AutoGraph converted (a user's tf.autograph.to_graph; the trainer traces without it),
+    # AutoGraph would re-raise it as a StagingError with a multi-line message; this attribute (AutoGraph's own
+    # opt-out) lets it through as itself, so callers catching ParamsError see it.
     ag_pass_through = True
 
 

@@ -346,8 +346,9 @@ def main(argv: list[str]) -> None:
         _fail(f"interrupted (SIGINT) during --mode={FLAGS.mode}; nothing of the run's checkpoints was changed",
               status=130)
     except Exception as e:  # noqa: BLE001 - re-raised below unless it is (or wraps) an error the user can fix
-        # tf.function tracing wraps errors raised in user code (autograph's StagingError): the original is in the
-        # exception's chain. An OSError is a full disk or a permission: fixable by the user too.
+        # AutoGraph wraps errors raised in code it converted (its StagingError): the original is in the exception's
+        # chain. An OSError is a full disk or a permission: fixable by the user too. A tensor used as a Python
+        # bool in a layer is one line too (the trainer traces without AutoGraph).
         cause = errors.find_in_chain(e, user_errors) or errors.find_in_chain(e, (OSError,))
         graph_control_flow = errors.tensor_as_python_value(e) if cause is None else None
         if cause is None and graph_control_flow is None:

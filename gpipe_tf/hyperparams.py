@@ -548,8 +548,15 @@ class Params:
     def diff(self, other: Params) -> list[str]:
         """Readable differences: 'a.b: 64 -> 128', 'only in self: x.y', 'only in other: z' (what a node only one
         side has holds is listed too)."""
-        return [f"only in self: {path}" if there is None else f"only in other: {path}" if here is None
-                else f"{path}: {here} -> {there}" for path, here, there in self.differences(other, whole_nodes=False)]
+        lines = []
+        for path, here, there in self.differences(other, whole_nodes=False):
+            if there is None:
+                lines.append(f"only in self: {path}")
+            elif here is None:
+                lines.append(f"only in other: {path}")
+            else:
+                lines.append(f"{path}: {here} -> {there}")
+        return lines
 
     def differences(self, other: Params, whole_nodes: bool = True) -> list[tuple[str, str | None, str | None]]:
         """(path, value here, value in `other`) of each field that differs, values as text, None standing for the

@@ -350,16 +350,14 @@ def main(argv: list[str]) -> None:
         # chain. An OSError is a full disk or a permission: fixable by the user too. A tensor used as a Python
         # bool in a layer is one line too (the trainer traces without AutoGraph).
         cause = errors.find_in_chain(e, user_errors) or errors.find_in_chain(e, (OSError,))
-        graph_control_flow = errors.tensor_as_python_value(e) if cause is None else None
-        if cause is None and graph_control_flow is None:
+        line = " ".join(str(cause).split()) if cause is not None else errors.tensor_as_python_value(e)
+        if line is None:
             raise
         _print_traceback(e)
-        if graph_control_flow is not None:
-            _fail(graph_control_flow)
         if isinstance(cause, OSError):
             _fail(f"cannot access {cause.filename or 'a file'}: {cause.strerror or cause}; free disk space or fix the "
                   "permissions, then run again")
-        _fail(" ".join(str(cause).split()))
+        _fail(line)
     finally:
         for local in _STAGE_WORKERS:
             local.stop()

@@ -129,9 +129,8 @@ class Learner(tf.Module):
         self._stat_layers = [m for m in layers if type(m).apply_aux_stats is not BaseLayer.apply_aux_stats]
         self._stepped_layers = [m for m in layers if type(m).set_training_step is not BaseLayer.set_training_step]
         # 'none', 'fixed' or 'dynamic': train.loss_scale.method with 'auto' resolved by the layers' dtypes.
-        self.loss_scale_method = loss_scale_lib.resolve_method(train_params.loss_scale,
-                                                               {m.fprop_dtype for m in layers})
-        method = self.loss_scale_method
+        method = self.loss_scale_method = loss_scale_lib.resolve_method(train_params.loss_scale,
+                                                                        {m.fprop_dtype for m in layers})
         self.precision = precision_of(layers, method, train_params.loss_scale)
         self.loss_scale = (None if method == "none" else
                            loss_scale_lib.LossScale(train_params.loss_scale, method))

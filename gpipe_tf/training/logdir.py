@@ -130,13 +130,13 @@ def resume_warnings(logdir: str, params: Params, task: Any) -> list[str]:
         return []
     if "task" not in old or "task" not in params:
         return []
-    changed = [(path, there, here) for path, there, here in old.get("task").differences(params.get("task"))
-               if path.rsplit(".", 1)[-1] == "num_micro_batches" and there is not None and here is not None]
+    changed = [(path, before, now) for path, before, now in old.get("task").differences(params.get("task"))
+               if path.rsplit(".", 1)[-1] == "num_micro_batches" and before is not None and now is not None]
     affected = _micro_batch_sensitive(task)
     if not changed or not affected:
         return []
-    before = "; ".join(f"task.{path} {there} -> {here}" for path, there, here in changed)
-    return [f"warning: resuming with {before}: {' and '.join(affected)} depend on the split into micro-batches, "
+    what = "; ".join(f"task.{path} {before} -> {now}" for path, before, now in changed)
+    return [f"warning: resuming with {what}: {' and '.join(affected)} depend on the split into micro-batches, "
             "so the steps from here differ from those of an uninterrupted run with the old value (everything else "
             "is unchanged); resume with the old num_micro_batches to continue it exactly"]
 

@@ -2,13 +2,13 @@
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from gpipe_tf.training.decoder import score
 from gpipe_tf.training.summaries import read_scalars
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 
 
@@ -36,7 +36,7 @@ def test_chrf_beside_bleu_scores_one_word_sentences():
 
 def test_decode_mode_writes_hypotheses_and_scalars(tmp_path):
     logdir = str(tmp_path)
-    result = subprocess.run(
+    result = trainer_process.run(
         [sys.executable, "trainer.py", "--model=mt.number_words.NumbersTiny", f"--logdir={logdir}", "--mode=decode",
          "--params=input.test.num_batches=1,input.dev.num_batches=1,eval.beam_size=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)

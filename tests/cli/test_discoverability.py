@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from gpipe_tf import model_registry
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 
 # What pip writes as bin/gpipe-trainer for `console_scripts: gpipe-trainer=gpipe_tf.trainer_main:run` (setup.py).
@@ -19,8 +20,8 @@ if __name__ == '__main__':
 
 
 def test_list_models_prints_each_key_with_its_docstring_summary():
-    result = subprocess.run([sys.executable, "trainer.py", "--list_models"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", "--list_models"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     keys = model_registry.list_models()
@@ -59,15 +60,16 @@ def test_console_script_help_lists_the_trainer_flags(tmp_path):
                  "--logical_devices:"):
         assert flag in result.stdout, (flag, result.stdout)
     # `python trainer.py --help` still lists them too.
-    direct = subprocess.run([sys.executable, "trainer.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    direct = trainer_process.run([sys.executable, "trainer.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300)
     assert "--model:" in direct.stdout and "--logdir:" in direct.stdout, direct.stdout
 
 
 def test_fewer_logical_devices_than_stages_warns_naming_the_shared_device(tmp_path):
-    result = subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
-                             f"--logdir={tmp_path}", "--logical_devices=1", "--gin_param=BlobsMlpGPipe.num_stages=3",
-                             "--max_steps=1", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
+                                  f"--logdir={tmp_path}", "--logical_devices=1",
+                                  "--gin_param=BlobsMlpGPipe.num_stages=3", "--max_steps=1", "--quiet"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     warning = [line for line in result.stdout.splitlines() if line.startswith("warning: ")]
     assert warning == ["warning: classifier/network places 3 stages on 1 device: stages 0, 1, 2 share "

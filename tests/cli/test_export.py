@@ -20,14 +20,14 @@ from gpipe_tf.errors import ConfigError
 from gpipe_tf.training import checkpoints, partial_dir
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.summaries import read_scalars
-from tests.helpers import tiers
+from tests.helpers import tiers, trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import file_size_limit, one_error_line
 
 
 def trainer(*args):
-    result = subprocess.run([sys.executable, "trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -191,11 +191,11 @@ def test_translation_export_matches_greedy_decode(tmp_path, dtype):
 
 def test_export_without_a_checkpoint_and_of_an_unknown_checkpoint_are_clear_errors(tmp_path):
     common = [sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlp", f"--logdir={tmp_path}"]
-    result = subprocess.run([*common, "--mode=export"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = trainer_process.run([*common, "--mode=export"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and f"no checkpoint in {tmp_path}/checkpoints to export" in result.stderr
     missing = str(tmp_path / "nowhere" / "ckpt-5")
-    result = subprocess.run([*common, "--mode=export", f"--checkpoint={missing}"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
+    result = trainer_process.run([*common, "--mode=export", f"--checkpoint={missing}"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=300)
     assert result.returncode == 2 and f"--checkpoint='{missing}' names no checkpoint" in result.stderr
     assert not os.path.exists(tmp_path / "export")
 
@@ -225,8 +225,9 @@ def run_copy(checkpointed, tmp_path):
 
 
 def export_run(logdir, *args, preexec_fn=None):
-    return subprocess.run([sys.executable, "trainer.py", f"--model={FAULT_KEY}", f"--logdir={logdir}", "--mode=export",
-                           *args], cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn)
+    return trainer_process.run([sys.executable, "trainer.py", f"--model={FAULT_KEY}", f"--logdir={logdir}",
+                                "--mode=export", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                               preexec_fn=preexec_fn)
 
 
 def leftovers(directory):
@@ -301,9 +302,9 @@ def test_partial_exports_left_by_dead_processes_are_removed_and_running_ones_kep
     locked = os.path.join(exports, f"7.partial-{_dead_pid()}")
     os.makedirs(locked)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
-         "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()", locked],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+   [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+    "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()", locked],
+   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         live = [os.path.join(exports, f"5.partial-{holder.pid}"), locked]
         os.makedirs(live[0])

@@ -3,14 +3,13 @@ plans memory per device against --device_memory."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from gpipe_tf import experiment, inspection
-from tests.helpers import tiers
+from tests.helpers import tiers, trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import assert_user_error, one_error_line
 
@@ -50,9 +49,10 @@ def test_balance_criterion_is_stated():
 
 
 def test_trainer_inspect_echoes_the_overrides():
-    result = subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", "--mode=inspect",
-                             "--gin_param=BlobsMlpGPipe.num_micro_batches=2", "--params=train.learning_rate=0.5"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
+                                  "--mode=inspect", "--gin_param=BlobsMlpGPipe.num_micro_batches=2",
+                                  "--params=train.learning_rate=0.5"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert "overrides --gin_param: BlobsMlpGPipe.num_micro_batches=2" in lines, result.stdout
@@ -64,8 +64,8 @@ SHAPED = "--params=task.network.micro_batch_shape=[4, 16],task.network.input_dty
 
 
 def test_device_memory_plan_and_suggestion():
-    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
-                             "--device_memory=4MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                                  "--device_memory=4MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "memory per device (predicted; schedule fill_drain" in out, out
@@ -75,14 +75,14 @@ def test_device_memory_plan_and_suggestion():
     override = "--params=task.network.schedule='one_f_one_b'"
     assert suggestion in out and out.rstrip().endswith(override), out
     # The suggested override, added as printed, is accepted and makes the plan fit.
-    taken = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED, override,
-                            "--device_memory=4MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    taken = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED, override,
+                                 "--device_memory=4MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert taken.returncode == 0, taken.stderr
     assert "memory per device (predicted; schedule one_f_one_b" in taken.stdout, taken.stdout
     assert "fits: every device's peak is within 4.0 MiB" in taken.stdout, taken.stdout
-    as_json = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
-                              "--device_memory=4MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=300)
+    as_json = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                                   "--device_memory=4MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=300)
     memory = json.loads(as_json.stdout)["memory"]
     assert memory["fits"] is False and memory["device_memory"] == 4 * 2 ** 20
     assert [d["fits"] for d in memory["devices"]] == [True, False]
@@ -91,8 +91,8 @@ def test_device_memory_plan_and_suggestion():
 
 @pytest.mark.parametrize("value", tiers.sample(["16XB", "lots", "-1GiB"], keep=["16XB"]))
 def test_bad_device_memory_is_one_line_exit_2(value):
-    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
-                             f"--device_memory={value}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                                  f"--device_memory={value}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert_user_error(result, f"--device_memory='{value}' is not a memory size", "GiB")
 
 
@@ -128,26 +128,26 @@ def test_unestimable_layer_is_one_line_exit_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
     args = [sys.executable, "trainer.py", "--module=memexp_opaque", "--model=memexp_opaque.OpaqueMlp",
             "--mode=inspect", "--device_memory=1GiB"]
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    result = trainer_process.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert_user_error(result, "layer_0 (OpaqueLinear) cannot estimate its memory from Params",
                       "OpaqueLinear.activation_bytes is missing")
     # Without --device_memory the report says so in a note instead.
-    result = subprocess.run(args[:-1], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    result = trainer_process.run(args[:-1], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert "note: activations and memory '-': memory plan: layer_0 (OpaqueLinear)" in result.stdout, result.stdout
 
 
 def test_capacity_table_per_stage_count():
-    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
-                             "--device_memory=4MiB", "--capacity=num_layers", "--capacity_devices=4", "--json"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                                  "--device_memory=4MiB", "--capacity=num_layers", "--capacity_devices=4", "--json"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["capacity"]
     assert [r["num_stages"] for r in rows] == [1, 2, 4] and all(r["value"] for r in rows), rows
     assert "capacity: K=4: num_layers=" in result.stderr, result.stderr
-    text = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
-                           "--device_memory=4MiB", "--capacity=num_layers", "--capacity_devices=4", "--quiet"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    text = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                                "--device_memory=4MiB", "--capacity=num_layers", "--capacity_devices=4", "--quiet"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert text.returncode == 0, text.stderr
     table = text.stdout.splitlines()[-4:]
     assert table[0].split() == ["K", "num_layers", "params", "largest", "peak", "note"], text.stdout
@@ -155,14 +155,14 @@ def test_capacity_table_per_stage_count():
 
 
 def test_capacity_needs_device_memory():
-    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
-                             "--capacity=num_layers"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
+                                  "--capacity=num_layers"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert_user_error(result, "--capacity=num_layers needs --device_memory", "--device_memory=16GiB")
 
 
 def inspect_blobs(*args):
-    return subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", "--mode=inspect",
-                           *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return trainer_process.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", "--mode=inspect",
+                                *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.exhaustive(covered_by=(
@@ -174,10 +174,10 @@ def test_the_batch_size_capacity_proposes_trains(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(result.stdout)["capacity"]
     k2 = next(r for r in rows if r["num_stages"] == 2)
-    trained = subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
-                              f"--logdir={tmp_path / 'run'}", "--max_steps=1", "--quiet",
-                              f"--gin_param=BlobsMlpGPipe.batch_size={k2['value']}"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    trained = trainer_process.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
+                                   f"--logdir={tmp_path / 'run'}", "--max_steps=1", "--quiet",
+                                   f"--gin_param=BlobsMlpGPipe.batch_size={k2['value']}"],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert k2["note"].startswith("multiples of 4: batch sizes the trainer accepts"), rows
 

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from gpipe_tf.training.summaries import read_scalars
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 
 KEY = "toy.classifier.BlobsMlp"
@@ -19,13 +20,13 @@ def trainer_cmd(*args):
 
 
 def run(*args):
-    return subprocess.run(trainer_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return trainer_process.run(trainer_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_evaluator_beside_trainer_evaluates_every_checkpoint_exactly_once(tmp_path):
     logdir = str(tmp_path)
-    evaluator = subprocess.Popen(trainer_cmd(f"--logdir={logdir}", "--mode=eval", "--eval_timeout_secs=120"),
-                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    evaluator = trainer_process.Popen(trainer_cmd(f"--logdir={logdir}", "--mode=eval", "--eval_timeout_secs=120"),
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     trained = run(f"--logdir={logdir}", "--max_steps=60",
                   "--params=train.save_interval_steps=10,train.max_checkpoints_to_keep=10")
     assert trained.returncode == 0, trained.stderr[-2000:]
@@ -62,8 +63,8 @@ def test_inspect_from_params_alone_prints_json():
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["model"] == KEY and report["total_params"] == 16 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8
-    piped = subprocess.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", "--mode=inspect",
-                            "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    piped = trainer_process.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", "--mode=inspect",
+                                 "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     report = json.loads(piped.stdout.strip().splitlines()[-1])
     assert [s["params"] for s in report["stages"]] == [16 * 64 + 64 + 64 * 64 + 64, 64 * 64 + 64]
     assert all(s["activation_bytes_estimate"] > 0 for s in report["stages"])

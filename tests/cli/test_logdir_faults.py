@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.training import logdir as logdir_lib
-from tests.helpers import tiers
+from tests.helpers import tiers, trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import file_size_limit, one_error_line
 
@@ -30,8 +30,8 @@ EVERY_10 = "train.save_interval_steps=10,train.max_checkpoints_to_keep=10"
 
 
 def trainer(*args, model=KEY, preexec_fn=None):
-    return subprocess.run([sys.executable, "trainer.py", f"--model={model}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, preexec_fn=preexec_fn)
+    return trainer_process.run([sys.executable, "trainer.py", f"--model={model}", *args], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300, preexec_fn=preexec_fn)
 
 
 def snapshot(logdir):
@@ -174,10 +174,10 @@ def test_a_non_finite_update_is_never_saved(run_copy):
 
 
 def test_a_second_trainer_on_a_logdir_is_refused_and_a_killed_one_leaves_no_lock(run_copy):
-    first = subprocess.Popen([sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={run_copy}",
-                              "--max_steps=1000000",
-                              "--params=train.save_interval_steps=100000,train.log_interval_steps=1"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = trainer_process.Popen([sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={run_copy}",
+                                   "--max_steps=1000000",
+                                   "--params=train.save_interval_steps=100000,train.log_interval_steps=1"],
+                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         for line in first.stdout:
             if line.startswith("step "):  # it trains, so it holds the lock

@@ -3,13 +3,13 @@ micro-batch from the step's seed folded with the micro-batch index) and batch-no
 do. A resume that changes M of such a task says so in one warning line; nothing else changes silently."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from gpipe_tf import experiment
 from gpipe_tf.training import logdir as logdir_lib
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 
 KEY = "toy.classifier.BlobsMlpGPipe"
@@ -69,8 +69,8 @@ def test_a_trainer_resume_with_another_m_prints_the_warning_once(tmp_path):
     logdir = str(tmp_path / "run")
 
     def run(*args):
-        return subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={logdir}", "--quiet", *args],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={logdir}", "--quiet",
+                                    *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     first = run("--max_steps=2")
     assert first.returncode == 0 and "warning" not in first.stdout, first.stderr[-3000:]

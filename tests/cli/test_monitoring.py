@@ -15,6 +15,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from gpipe_tf import experiment
 from gpipe_tf.training.summaries import read_scalars
+from tests.helpers import trainer_process
 from tests.helpers.event_files import events
 from tests.helpers.paths import ROOT
 from tests.helpers.waiting import poll
@@ -30,7 +31,7 @@ def run(tmp_path_factory):
     # default CPU allocator keeps no statistics: the trainer must choose the BFC allocator itself.
     env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
     env["TF_ENABLE_ONEDNN_OPTS"] = "0"
-    result = subprocess.run(
+    result = trainer_process.run(
         [sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={logdir}", "--mode=train_and_eval",
          f"--max_steps={STEPS}", "--quiet", "--gin_param=BlobsMlpGPipe.learning_rate=0.01",
          "--params=train.summary_interval_steps=5,train.eval_interval_steps=0"],

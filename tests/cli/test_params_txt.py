@@ -5,12 +5,11 @@ test_logdir_params.py, tests/hyperparams/test_hyperparams.py)."""
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import tiers
+from tests.helpers import tiers, trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import one_error_line
 
@@ -25,8 +24,8 @@ ADDED = "task.softmax.label_smoothing"  # stands for a field added after the run
 
 
 def trainer(*args):
-    return subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

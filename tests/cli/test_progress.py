@@ -5,7 +5,6 @@ Times come from a fake clock that the test advances, so no assert depends on the
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from gpipe_tf import experiment
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training import progress
 from gpipe_tf.training.controller import Controller
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 
 KEY = "toy.classifier.BlobsMlp"
@@ -104,8 +104,8 @@ def test_phase_lines_and_durations():
 
 
 def trainer(*args):
-    return subprocess.run([sys.executable, "trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return trainer_process.run([sys.executable, "trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
 
 
 @pytest.mark.exhaustive(covered_by=(

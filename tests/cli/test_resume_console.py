@@ -13,13 +13,13 @@ a cut state file, and resumed with another optimizer; each test reads one of tho
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from gpipe_tf.training.summaries import read_scalars
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import one_error_line
 
@@ -31,8 +31,8 @@ LOG_LINE = re.compile(r"^(?:[A-Z]+:(?:absl|tensorflow):|[IWEF]\d{4} \d\d:\d\d:\d
 
 
 def trainer(*args):
-    return subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
 
 
 def log_lines(result):
@@ -100,7 +100,7 @@ def test_a_resume_with_another_optimizer_is_one_line_naming_both_and_the_way_on(
 def test_float16_gradients_that_underflow_are_named_with_the_fix(tmp_path):
     # A fixed loss scale of 1e-9 makes every float16 gradient underflow: the loss times it is differentiated in
     # float16, where magnitudes below 6e-8 are zero.
-    result = subprocess.run(
+    result = trainer_process.run(
         [sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", f"--logdir={tmp_path}",
          "--max_steps=6", "--params=task.fprop_dtype=float16,train.loss_scale.method=fixed,"
          "train.loss_scale.initial_scale=1e-9,train.loss_scale.min_scale=1e-9"],

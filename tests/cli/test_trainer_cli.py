@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import assert_user_error
 from tests.helpers.trainer_runs import checkpoint_values
@@ -18,8 +19,8 @@ SLOW = ["--gin_param=BlobsMlp.hidden_dims=(256, 256)", "--gin_param=BlobsMlp.bat
 
 
 def trainer(*args, **kwargs):
-    return subprocess.run([sys.executable, "trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, **kwargs)
+    return trainer_process.run([sys.executable, "trainer.py", *args], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300, **kwargs)
 
 
 def test_list_models():
@@ -73,8 +74,8 @@ def test_resume_after_sigkill_is_exact(tmp_path):
     assert reference.returncode == 0, reference.stderr
 
     logdir = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "trainer.py", *common, f"--logdir={logdir}"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = trainer_process.Popen([sys.executable, "trainer.py", *common, f"--logdir={logdir}"], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         for line in proc.stdout:
             if line.startswith("step 62/"):  # checkpoint 60 is written before step 61 starts

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -25,6 +24,7 @@ from gpipe_tf.layers import base_layer
 from gpipe_tf.training import checkpoints, learner, lr_schedules, run_seed
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import file_size_limit, one_error_line
 
@@ -37,7 +37,7 @@ def trainer(*args, model=M, code=None):
     """Runs trainer.py (or `code`, a Python program that runs it) with `args`; the worktree is on PYTHONPATH."""
     command = [sys.executable, "trainer.py", f"--model={model}", *args] if code is None else [
         sys.executable, "-c", code, f"--model={model}", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return trainer_process.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 
@@ -402,9 +402,9 @@ def test_a_checkpoint_write_error_keeps_its_cause(m_copy):
     # Issue 35, item 13: the message was cut at 200 characters, spent on TensorFlow's function name and the temp
     # path, so "File too large" was lost. A file-size limit on the process fails the write of ckpt-21.
     data_size = os.path.getsize(ckpt(m_copy, 20) + ".data-00000-of-00001")
-    result = subprocess.run([sys.executable, "trainer.py", f"--model={M}", f"--logdir={m_copy}", "--max_steps=21",
-                             f"--params={EVERY_10}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            preexec_fn=file_size_limit(data_size // 2))
+    result = trainer_process.run([sys.executable, "trainer.py", f"--model={M}", f"--logdir={m_copy}", "--max_steps=21",
+                                  f"--params={EVERY_10}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                                 preexec_fn=file_size_limit(data_size // 2))
     line = one_error_line(result, code=1, only=False)  # TensorFlow warns of the failed write
     directory = os.path.join(m_copy, "checkpoints")
     assert (f"could not write the checkpoint of step 21 to {directory} (ckpt-21_temp/part-00000-of-00001"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import file_size_limit, one_error_line
 
@@ -22,8 +23,8 @@ EVERY_10 = "train.save_interval_steps=10,train.log_interval_steps=1,train.max_ch
 
 
 def trainer(*args, preexec_fn=None):
-    return subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, preexec_fn=preexec_fn)
+    return trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300, preexec_fn=preexec_fn)
 
 
 def latest_step(logdir):
@@ -81,9 +82,9 @@ def test_nan_steps_can_be_skipped(tmp_path):
 
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
     logdir = str(tmp_path)
-    proc = subprocess.Popen([sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={logdir}",
-                             "--max_steps=1000000", f"--params={EVERY_10.replace('=10,', '=100000,', 1)}"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = trainer_process.Popen([sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={logdir}",
+                                  "--max_steps=1000000", f"--params={EVERY_10.replace('=10,', '=100000,', 1)}"],
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     last_logged = 0
     for line in proc.stdout:
         if line.startswith("step "):

@@ -2,7 +2,6 @@
 trained by the installed `gpipe-trainer` without editing the checkout."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -11,6 +10,7 @@ from absl import logging
 from absl.testing import flagsaver
 
 from gpipe_tf import trainer_main
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import one_error_line
 
@@ -63,8 +63,8 @@ RAISING = "RATE = 1\n\n\ndef scale():\n    return RATE / 0\n\n\nFACTOR = scale()
 
 
 def run(*args, cwd, timeout=300):
-    return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    return trainer_process.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
 
 
 @pytest.fixture
@@ -147,8 +147,8 @@ def expected_import_error(package):
 def test_a_module_that_raises_at_import_is_one_line(raising_package):
     # issue 35 item 6: a 29-line traceback before; now the module, the exception and its line, exit status 2.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(raising_package), ROOT])}
-    result = subprocess.run([sys.executable, "trainer.py", "--module=raising_user_pkg", "--list_models"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = trainer_process.run([sys.executable, "trainer.py", "--module=raising_user_pkg", "--list_models"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=300, env=env)
     assert one_error_line(result) == expected_import_error(raising_package)
 
 
@@ -177,9 +177,9 @@ def test_a_layer_that_branches_on_a_tensor_in_python_is_one_line_with_the_ways_o
     (tmp_path / "branching_user_pkg" / "__init__.py").write_text("")
     (tmp_path / "branching_user_pkg" / "mine.py").write_text(BRANCHING)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
-    result = subprocess.run([sys.executable, "trainer.py", "--module=branching_user_pkg.mine",
-                             "--model=branching_user_pkg.mine.BranchingMlp", f"--logdir={tmp_path / 'run'}",
-                             "--max_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    result = trainer_process.run([sys.executable, "trainer.py", "--module=branching_user_pkg.mine",
+                                  "--model=branching_user_pkg.mine.BranchingMlp", f"--logdir={tmp_path / 'run'}",
+                                  "--max_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert one_error_line(result) == (
         f"trainer.py: error: {tmp_path / 'branching_user_pkg' / 'mine.py'}:{BRANCHING_LINE} uses a tensor as a "
         "Python bool or iterates over it while the step is traced; the trainer traces without AutoGraph "

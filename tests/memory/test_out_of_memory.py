@@ -7,13 +7,12 @@ whose address space is capped at 16 GiB, so the allocator fails at once on any m
 """
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from tests.helpers import tiers
+from tests.helpers import tiers, trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_errors import address_space_limit, one_error_line
 
@@ -147,7 +146,7 @@ def test_training_that_runs_out_of_memory_ends_with_one_line(tmp_path, ballast, 
     (tmp_path / "heavyexp.py").write_text(USER_MODULE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     logdir = tmp_path / "run"
-    result = subprocess.run(
+    result = trainer_process.run(
         [sys.executable, "trainer.py", "--module=heavyexp", "--model=heavyexp.HeavyMlp", f"--logdir={logdir}",
          f"--gin_param=HeavyMlp.ballast='{ballast}'", "--device_memory=64KiB"], cwd=ROOT, env=env, capture_output=True,
         text=True, timeout=600, preexec_fn=address_space_limit(16 * 2 ** 30))

@@ -18,7 +18,7 @@ from gpipe_tf.tasks.classifier import ClassifierTask
 from gpipe_tf.training import replicas
 from gpipe_tf.training.learner import Learner
 from gpipe_tf.training.replicas import replica_home_devices
-from tests.helpers import tiers
+from tests.helpers import tiers, trainer_process
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_runs import checkpoint_values
 
@@ -180,8 +180,8 @@ def test_layout_errors(monkeypatch):
 def trainer(*args, **kwargs):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
-    return subprocess.Popen([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    return trainer_process.Popen([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
 def finish(proc, timeout=240):

@@ -4,7 +4,6 @@ through gin), and the one name the run's HParams, params.txt and console then sh
 checks the files and the console."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.gpipe.zero_bubble_v import ZeroBubbleV
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.training import hparams
+from tests.helpers import trainer_process
 from tests.helpers.event_files import session_hparams
 from tests.helpers.paths import ROOT
 
@@ -136,7 +136,7 @@ def test_hparams_name_the_schedule_that_runs_once():
 ))
 def test_a_trainer_run_shows_the_schedule_that_ran_in_hparams_params_txt_and_console(tmp_path):
     logdir = str(tmp_path / "run")
-    result = subprocess.run(
+    result = trainer_process.run(
         [sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={logdir}", "--max_steps=2",
          "--params=task.network.schedule.cls=gpipe_tf.gpipe.interleaved.Interleaved,"
          "task.network.schedule.virtual_stages=3"],

@@ -1,7 +1,6 @@
 """train.init_from (fine-tuning) and --checkpoint for eval: a new head on a trained body, rules, errors."""
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.training import init_from
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 
 KEY = "toy.classifier.BlobsMlp"
@@ -106,8 +106,8 @@ def test_malformed_rules_name_the_field():
 
 
 def trainer(*args):
-    return subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", *args], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
 
 
 def test_missing_source_is_refused_before_the_logdir_is_touched(tmp_path):

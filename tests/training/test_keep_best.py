@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +15,7 @@ from gpipe_tf.training import keep_best
 from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
 from gpipe_tf.training.summaries import read_scalars
+from tests.helpers import trainer_process
 from tests.helpers.paths import ROOT
 
 KEY = "toy.classifier.BlobsMlp"
@@ -125,9 +125,9 @@ def test_an_unknown_metric_or_dataset_is_refused_before_training(tmp_path):
 
 def test_the_trainer_refuses_an_unknown_metric_in_one_line_and_writes_nothing(tmp_path):
     logdir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={logdir}",
-                             "--mode=train_and_eval", "--params=train.keep_best_metric=dev/acuracy"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", f"--logdir={logdir}",
+                                  "--mode=train_and_eval", "--params=train.keep_best_metric=dev/acuracy"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("trainer.py: error: ")]
     assert len(errors) == 1 and "names metric 'acuracy'" in errors[0], result.stderr[-3000:]

@@ -2,7 +2,6 @@
 bfloat16 and a float32 run no longer look the same; and a stage whose gradients all underflow to zero is named in a
 warning with the fix."""
 
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ from gpipe_tf.training import logdir as logdir_lib
 from gpipe_tf.training.controller import Controller
 from gpipe_tf.training.learner import Learner, describe_precision
 from gpipe_tf.training.loss_scale import loss_scale_params
+from tests.helpers import trainer_process
 from tests.helpers.event_files import session_hparams
 from tests.helpers.paths import ROOT
 
@@ -44,7 +44,7 @@ def test_the_learner_names_its_weight_and_compute_dtypes_and_loss_scaling(overri
 ))
 def test_a_float16_trainer_run_prints_its_precision_and_writes_it_to_hparams(tmp_path):
     logdir = str(tmp_path / "run")
-    result = subprocess.run(
+    result = trainer_process.run(
         [sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", f"--logdir={logdir}", "--max_steps=2",
          "--params=task.fprop_dtype=float16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -261,13 +261,28 @@ class GPipe(BaseLayer):
 
 
 def find_pipelines(p: Params, path: str = "task") -> list[tuple[str, InstantiableParams]]:
-    """(path, Params) of every GPipe layer in a Params tree, `path` naming the tree's root (e.g. task.network)."""
+    """(path, Params) of every GPipe layer in a Params tree, `path` naming the tree's root (e.g. task.network).
+
+    A pipeline that leaves `dtype` or `fprop_dtype` to its ancestors (None) comes as a copy with the values it
+    inherits filled in, by the rule `BaseLayer.create_child` applies when the layers are built: what a planner
+    reads is what the pipeline will compute in (`--params=task.fprop_dtype=bfloat16` reaches task.network).
+    """
+    return _find_pipelines(p, path, None, None)
+
+
+def _find_pipelines(p: Params, path: str, dtype: str | None,
+                    fprop_dtype: str | None) -> list[tuple[str, InstantiableParams]]:
+    if "dtype" in p:  # a layer: its own dtypes, else its parent's (BaseLayer.create_child; root: float32)
+        own = p.dtype or dtype or "float32"
+        fprop_dtype = p.fprop_dtype or (fprop_dtype if own == dtype else None) or own
+        dtype = own
     found = []
     if isinstance(p, InstantiableParams) and p.cls is GPipe:
-        found.append((path, p))
+        found.append((path, p if (p.dtype, p.fprop_dtype) == (dtype, fprop_dtype)
+                      else p.copy().set(dtype=dtype, fprop_dtype=fprop_dtype)))
     for name, value in p.items():
         for j, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
             if isinstance(item, Params):
-                found += find_pipelines(item, f"{path}.{name}" + (f"[{j}]" if isinstance(value, (list, tuple))
-                                                                   else ""))
+                found += _find_pipelines(item, f"{path}.{name}" + (f"[{j}]" if isinstance(value, (list, tuple))
+                                                                    else ""), dtype, fprop_dtype)
     return found

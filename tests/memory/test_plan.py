@@ -3,7 +3,7 @@
 import pytest
 import tensorflow as tf
 
-from gpipe_tf import experiment
+from gpipe_tf import experiment, inspection
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.hyperparams import Params
@@ -104,3 +104,24 @@ def test_transformer_l_83_9b_at_k128_is_planned():
     # 1663 layers of 50,358,272 plus the 32,000 x 2048 embedding and the final norm (the softmax is outside).
     assert sum(d["params"] for d in result["devices"]) == 1663 * 50_358_272 + 32_000 * 2048 + 2 * 2048
     assert all(d["stashed_micro_batches"] == 32 for d in result["devices"])
+
+
+@pytest.mark.parametrize("overrides, gin, compute", [
+    ("", (), "float32"),
+    ("task.fprop_dtype=bfloat16", (), "bfloat16"),  # docs/precision.md's switch: the task, inherited by the network
+    ("task.network.fprop_dtype=float16", (), "float16"),
+    ("", ("BlobsMlpGPipe.dtype='float64'",), "float64"),  # the experiment's own knob: variables and compute
+], ids=["default", "task", "network", "experiment-knob"])
+def test_every_precision_switch_is_the_plans_compute_dtype(overrides, gin, compute):
+    """The plan computes in what the built network computes in, however the precision was set."""
+    params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe", overrides=overrides, gin_bindings=gin)
+    built = params.task.instantiate().network
+    assert built.fprop_dtype.name == compute  # the reference: the layer the trainer would build
+    report = inspection.inspect(params, overrides={}, device_memory=2 ** 30)
+    assert report["memory"]["compute_dtype"] == compute
+    assert f"compute {compute}," in inspection.format_report(report)
+    # The activations are sized in it: the stashes are float32's scaled by the bytes of the compute dtype.
+    default, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe")
+    stashes = [d["stashed_activations"] for d in report["memory"]["devices"]]
+    in_float32 = [d["stashed_activations"] for d in inspection.inspect(default, overrides={})["memory"]["devices"]]
+    assert any(in_float32) and stashes == [b * tf.as_dtype(compute).size // 4 for b in in_float32]

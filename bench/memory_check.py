@@ -83,18 +83,19 @@ def isolated_stages(model: str, gin: tuple[str, ...], overrides: str) -> tuple[A
     import tensorflow as tf
 
     from gpipe_tf import experiment
-    from gpipe_tf.gpipe.plan import make_plan
+    from gpipe_tf.gpipe.pipeline import find_pipelines
+    from gpipe_tf.gpipe.plan import make_plan, micro_batch_spec
     from gpipe_tf.memory import plan as plan_lib
     from gpipe_tf.memory import stage as stage_lib
     from gpipe_tf.memory.stash import stashed_micro_batches
 
     params, _ = experiment.resolve_params(model, gin_bindings=list(gin), overrides=overrides)
-    pipe = params.task.network
+    pipe = dict(find_pipelines(params.task))["task.network"]  # with the dtypes it inherits from the task
     order = plan_lib.schedule_order(pipe, "task.network")
     plan = make_plan(pipe, chunk_devices=order.devices_by_chunk, num_replicas=None, measure=None, path="task.network")
     stashes = stashed_micro_batches(order, pipe.num_micro_batches)
     compute = tf.as_dtype(pipe.fprop_dtype or pipe.dtype or "float32")
-    spec = stage_lib.compute_spec(tf.TensorSpec(pipe.micro_batch_shape, pipe.input_dtype), compute.name)
+    spec = stage_lib.compute_spec(micro_batch_spec(pipe, "task.network"), compute.name)
     stages = []
     for s, names in enumerate(plan.stage_layers):
         layers = [pipe.layers[j] for j in plan.layer_indices(s)]

@@ -63,8 +63,9 @@ class GPipe(BaseLayer):
         p.define("balance_by", "params", f"Automatic balancing cost: one of {partition.BALANCE_BY}.")
         p.define("micro_batch_shape", None,
                  "Shape of one micro-batch of the first layer's input (with batch dim), for balance_by "
-                 "'flops' or 'time'.")
-        p.define("input_dtype", "float32", "dtype of that input, for balance_by 'flops' or 'time'.")
+                 "'flops' or 'time' and the memory planner; a list of shapes for a pipeline fed several tensors.")
+        p.define("input_dtype", "float32", "dtype of that input, for balance_by 'flops' or 'time' and the memory "
+                 "planner; with several input shapes, one dtype for all or a list of one per shape.")
         p.define("remat", "never", f"Rematerialization policy: one of {remat.POLICIES}.")
         p.define("device_kind", "auto", f"Stage devices: one of {placement.DEVICE_KINDS}.")
         p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "

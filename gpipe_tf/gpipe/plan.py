@@ -88,13 +88,23 @@ class StagePlan:
         return tuple(sum(self.layer_costs[j] for j in self.layer_indices(c)) for c in range(self.num_chunks))
 
 
-def micro_batch_spec(p: InstantiableParams, path: str = "") -> tf.TensorSpec:
-    """The TensorSpec of one micro-batch of the first layer's input, from p.micro_batch_shape and p.input_dtype."""
+def micro_batch_spec(p: InstantiableParams, path: str = "") -> tf.TensorSpec | tuple[tf.TensorSpec, ...]:
+    """The TensorSpec of one micro-batch of the first layer's input, from p.micro_batch_shape and p.input_dtype;
+    a tuple of them for a pipeline fed several tensors (micro_batch_shape a list of shapes, input_dtype one dtype
+    for all or a list of one per shape)."""
     if p.micro_batch_shape is None:
         raise ParamsError(f"{path or p.name}: balance_by={p.balance_by!r} needs micro_batch_shape (the shape of one "
                           "micro-batch of the first layer's input, batch dimension first, e.g. [8, 224, 224, 3]); "
                           "set it, or give an explicit balance, or use balance_by='params'")
-    return tf.TensorSpec(p.micro_batch_shape, p.input_dtype)
+    shape, dtype = list(p.micro_batch_shape), p.input_dtype
+    if not shape or not isinstance(shape[0], (list, tuple)):
+        return tf.TensorSpec(shape, dtype)
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shape)
+    if len(dtypes) != len(shape):
+        raise ParamsError(f"{path or p.name}: input_dtype={dtype!r} names {len(dtypes)} dtypes for the "
+                          f"{len(shape)} input shapes of micro_batch_shape={p.micro_batch_shape!r}; give one dtype "
+                          "for all or one per shape")
+    return tuple(tf.TensorSpec(s, d) for s, d in zip(shape, dtypes))
 
 
 def time_layer_params(layers: Sequence[InstantiableParams], input_spec: Any) -> list[float]:

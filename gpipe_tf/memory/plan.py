@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe.orders import ScheduleOrder
-from gpipe_tf.gpipe.plan import make_plan
+from gpipe_tf.gpipe.plan import make_plan, micro_batch_spec
 from gpipe_tf.gpipe.schedules import step_order
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.memory import stage as stage_lib
@@ -74,7 +74,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
     compute = tf.as_dtype(pipe.fprop_dtype or var_dtype.name)
     opt = optimizer_memory(train.optimizer)
     ema = bool(train.get("ema_decay")) if "ema_decay" in train else False
-    spec = stage_lib.compute_spec(tf.TensorSpec(pipe.micro_batch_shape, pipe.input_dtype), compute.name)
+    spec = stage_lib.compute_spec(micro_batch_spec(pipe, path), compute.name)
     layers = list(pipe.layers)
     stages = []
     for s, names in enumerate(plan.stage_layers):

@@ -23,14 +23,16 @@ HEADROOM = 0.15  # a suggestion's predicted peak stays below (1 - HEADROOM) x th
 
 
 def _micro_batch_changes(pipe: InstantiableParams) -> list[Change]:
-    shape = list(pipe.micro_batch_shape)
-    batch = shape[0] * pipe.num_micro_batches
+    several = isinstance(pipe.micro_batch_shape[0], (list, tuple))  # a pipeline fed several tensors
+    shapes = [list(s) for s in pipe.micro_batch_shape] if several else [list(pipe.micro_batch_shape)]
+    batch = shapes[0][0] * pipe.num_micro_batches
     out = []
     for factor in (2, 4, 8):
         m = pipe.num_micro_batches * factor
         if batch % m == 0:
+            smaller = [[batch // m] + s[1:] for s in shapes]
             out.append((f"num_micro_batches={m}", {"num_micro_batches": m,
-                                                   "micro_batch_shape": [batch // m] + shape[1:]}))
+                                                   "micro_batch_shape": smaller if several else smaller[0]}))
     return out
 
 

@@ -231,7 +231,9 @@ class _TransformerL(TfdsLanguageModelInputs, NumbersTiny):
         layers.append(LayerNorm.params().set(name="final_norm", dim=self.model_dim))
         network = GPipe.params().set(
             name="network", layers=layers, num_stages=self.num_stages, num_micro_batches=self.num_micro_batches,
-            remat=self.remat, schedule=schedule_params(self.schedule))
+            remat=self.remat, schedule=schedule_params(self.schedule),
+            # The longest micro-batch the inputs give, so that the memory planner needs no flag to size it.
+            micro_batch_shape=[self.batch_size // self.num_micro_batches, self.max_length], input_dtype="int32")
         p = ClassifierTask.params().set(name="transformer_l", dtype=self.dtype, network=network)
         p.softmax.set(input_dim=self.model_dim, num_classes=self.vocab_size, label_smoothing=self.label_smoothing)
         return p

@@ -3,6 +3,7 @@
 import pytest
 
 from gpipe_tf import experiment, inspection, model_registry
+from gpipe_tf.gpipe.pipeline import find_pipelines
 
 PUBLISHED = {  # trainable parameters, no aux head ([GP], [AMB]; tolerance as in issue 5)
     "image.amoebanet.AmoebaNetB_18_512_ImageNet480": (557e6, 0.01),
@@ -23,6 +24,26 @@ def test_every_experiment_resolves_and_inspects(key):
     if key in PUBLISHED:
         published, tolerance = PUBLISHED[key]
         assert abs(report["total_params"] - published) <= tolerance * published, report["total_params"]
+    # The memory plan needs no flag: the experiment sizes its pipeline's micro-batch from its own training batch.
+    pipelines = find_pipelines(params.task)
+    assert (report.get("memory") is not None) == bool(pipelines), report.get("estimate_notes")
+    for _, pipe in pipelines:
+        shapes = pipe.micro_batch_shape if isinstance(pipe.micro_batch_shape[0], list) else [pipe.micro_batch_shape]
+        assert {s[0] * pipe.num_micro_batches for s in shapes} == {params.input.train.batch_size}
+
+
+def test_a_translation_pipelines_suggestion_pastes_back_and_fits():
+    """A pipeline fed several tensors (the translation network's 4-tuple) is planned, and the smallest change
+    that fits rescales every one of its micro-batch shapes in an override that resolves and fits."""
+    budget = 20 * 2 ** 20
+    params, _ = experiment.resolve_params("mt.number_words.NumbersTiny")
+    plan = inspection.inspect(params, overrides={}, device_memory=budget)["memory"]
+    assert plan["fits"] is False and plan["suggestion"] is not None
+    changed, _ = experiment.resolve_params("mt.number_words.NumbersTiny", overrides=plan["suggestion"]["params"])
+    (_, pipe), = find_pipelines(changed.task)
+    rows = changed.input.train.batch_size // pipe.num_micro_batches
+    assert pipe.micro_batch_shape == [[rows, 16]] * 4
+    assert inspection.inspect(changed, overrides={}, device_memory=budget)["memory"]["fits"] is True
 
 
 @pytest.mark.exhaustive(covered_by=(

@@ -16,8 +16,9 @@ from tests.helpers.trainer_errors import assert_user_error, one_error_line
 KEY = "mt.gpipe_paper.TransformerLTinyOffline"
 
 
-def test_transformer_activations_are_explained_and_estimated_once_the_shape_is_given():
-    params, _ = experiment.resolve_params(KEY)
+def test_transformer_activations_are_explained_without_a_shape_and_estimated_with_one():
+    params = experiment.resolve_params(KEY)[0].copy()
+    params.task.network.micro_batch_shape = None  # a pipeline of one's own that does not say (the experiment does)
     report = inspection.inspect(params)
     assert all(s["activation_bytes_estimate"] is None for s in report["stages"])
     text = inspection.format_report(report)

@@ -53,7 +53,7 @@ class _Zygote:
         self.dir = tempfile.mkdtemp(prefix="trainer-zygote-")
         self.path = os.path.join(self.dir, "socket")
         self.process = subprocess.Popen([sys.executable, "-m", "tests.helpers.trainer_zygote", self.path], cwd=ROOT,
-                                        env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+                                        env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         ready = self.process.stdout.readline()
         if ready != b"ready\n":
             self.process.kill()

@@ -94,7 +94,7 @@ def isolated_stages(model: str, gin: tuple[str, ...], overrides: str) -> tuple[A
     order = plan_lib.schedule_order(pipe, "task.network")
     plan = make_plan(pipe, chunk_devices=order.devices_by_chunk, num_replicas=None, measure=None, path="task.network")
     stashes = stashed_micro_batches(order, pipe.num_micro_batches)
-    compute = tf.as_dtype(pipe.fprop_dtype or pipe.dtype or "float32")
+    compute = tf.as_dtype(pipe.fprop_dtype)  # find_pipelines states it
     spec = stage_lib.compute_spec(micro_batch_spec(pipe, "task.network"), compute.name)
     stages = []
     for s, names in enumerate(plan.stage_layers):

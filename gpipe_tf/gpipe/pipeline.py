@@ -40,7 +40,7 @@ from gpipe_tf.gpipe.plan import StagePlan, make_plan
 from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
 from gpipe_tf.gpipe.schedules import SCHEDULES, schedule_help, schedule_params  # noqa: F401 (re-exported)
 from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError
-from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
+from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, inherited_dtypes, with_inherited_dtypes
 from gpipe_tf.layers.sequential import Sequential
 
 
@@ -264,23 +264,19 @@ class GPipe(BaseLayer):
 def find_pipelines(p: Params, path: str = "task") -> list[tuple[str, InstantiableParams]]:
     """(path, Params) of every GPipe layer in a Params tree, `path` naming the tree's root (e.g. task.network).
 
-    A pipeline that leaves `dtype` or `fprop_dtype` to its ancestors (None) comes as a copy with the values it
-    inherits filled in, by the rule `BaseLayer.create_child` applies when the layers are built: what a planner
-    reads is what the pipeline will compute in (`--params=task.fprop_dtype=bfloat16` reaches task.network).
+    Each comes as a copy in which it and its layers state the dtype and fprop_dtype they will be built with, those
+    they leave to their ancestors filled in (`base_layer.with_inherited_dtypes`): what a planner reads is what the
+    pipeline will compute in (`--params=task.fprop_dtype=bfloat16` reaches every layer of task.network).
     """
-    return _find_pipelines(p, path, None, None)
+    return _find_pipelines(p, path, "float32", "float32")
 
 
-def _find_pipelines(p: Params, path: str, dtype: str | None,
-                    fprop_dtype: str | None) -> list[tuple[str, InstantiableParams]]:
-    if "dtype" in p:  # a layer: its own dtypes, else its parent's (BaseLayer.create_child; root: float32)
-        own = p.dtype or dtype or "float32"
-        fprop_dtype = p.fprop_dtype or (fprop_dtype if own == dtype else None) or own
-        dtype = own
+def _find_pipelines(p: Params, path: str, dtype: str, fprop_dtype: str) -> list[tuple[str, InstantiableParams]]:
     found = []
     if isinstance(p, InstantiableParams) and p.cls is GPipe:
-        found.append((path, p if (p.dtype, p.fprop_dtype) == (dtype, fprop_dtype)
-                      else p.copy().set(dtype=dtype, fprop_dtype=fprop_dtype)))
+        found.append((path, with_inherited_dtypes(p, dtype, fprop_dtype)))
+    if "dtype" in p and "fprop_dtype" in p:  # a layer: what its children inherit
+        dtype, fprop_dtype = inherited_dtypes(p, dtype, fprop_dtype)
     for name, value in p.items():
         for j, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
             if isinstance(item, Params):

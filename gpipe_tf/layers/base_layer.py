@@ -145,11 +145,10 @@ class BaseLayer(tf.Module):
         cp = params.copy()
         if "name" in cp and not cp.name:
             cp.name = name
-        if "dtype" in cp and cp.dtype is None:
+        if "dtype" in cp and "fprop_dtype" in cp:
+            cp.dtype, cp.fprop_dtype = inherited_dtypes(cp, self.p.dtype, self.p.fprop_dtype)
+        elif "dtype" in cp and cp.dtype is None:
             cp.dtype = self.p.dtype
-        if "fprop_dtype" in cp and cp.fprop_dtype is None and cp.get("dtype") == self.p.dtype:
-            # A child that keeps its own variable dtype computes in it unless told otherwise.
-            cp.fprop_dtype = self.p.fprop_dtype
         if "seed" in cp and cp.seed is None:
             cp.seed = initializers.derive_seed(self.p.seed, name)
         child = cp.instantiate(parent_path=self.path)
@@ -271,6 +270,29 @@ def sensitive_dtype(dtype: tf.DType) -> tf.DType:
 def fprop_dtype_of(p: InstantiableParams) -> str:
     """The compute dtype that Params describe, for Params-only output specs: fprop_dtype, else dtype, else float32."""
     return p.fprop_dtype or p.dtype or "float32"
+
+
+def inherited_dtypes(p: Params, dtype: str = "float32", fprop_dtype: str = "float32") -> tuple[str, str]:
+    """(dtype, fprop_dtype) of the layer that Params `p` build as the child of a layer with `dtype` and
+    `fprop_dtype` (a root's parent: float32): its own where it sets them; else its parent's variable dtype, and its
+    parent's compute dtype when their variable dtypes agree (a child that keeps its own variable dtype computes in
+    it unless told otherwise)."""
+    own = p.dtype or dtype
+    return own, p.fprop_dtype or (fprop_dtype if own == dtype else own)
+
+
+def with_inherited_dtypes(p: InstantiableParams, dtype: str = "float32",
+                          fprop_dtype: str = "float32") -> InstantiableParams:
+    """A copy of the layer Params `p`, built under a parent with `dtype` and `fprop_dtype`, in which it and every
+    layer below it state the dtypes they will be built with (`inherited_dtypes`): what Params-only planners read
+    (`fprop_dtype_of`) is then what the built layers compute in."""
+    out = p.copy()
+    pending = [(out, dtype, fprop_dtype)]
+    while pending:
+        node, parent_dtype, parent_fprop = pending.pop()
+        node.dtype, node.fprop_dtype = inherited_dtypes(node, parent_dtype, parent_fprop)
+        pending.extend((child, node.dtype, node.fprop_dtype) for child in _child_layers(node))
+    return out
 
 
 def count_params(p: InstantiableParams) -> int:

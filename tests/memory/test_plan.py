@@ -125,3 +125,16 @@ def test_every_precision_switch_is_the_plans_compute_dtype(overrides, gin, compu
     stashes = [d["stashed_activations"] for d in report["memory"]["devices"]]
     in_float32 = [d["stashed_activations"] for d in inspection.inspect(default, overrides={})["memory"]["devices"]]
     assert any(in_float32) and stashes == [b * tf.as_dtype(compute).size // 4 for b in in_float32]
+
+
+def test_the_task_precision_reaches_every_layer_of_the_pipeline_in_the_plan():
+    """task.fprop_dtype=bfloat16 plans as if every layer of the pipeline said bfloat16 itself: layers whose output
+    dtype is their own fprop_dtype (the embedding) are sized in it too, not only the pipeline's input."""
+    key = "mt.gpipe_paper.TransformerLTinyOffline"
+    inherited, _ = experiment.resolve_params(key, overrides="task.fprop_dtype=bfloat16")
+    explicit = experiment.resolve_params(key)[0].copy()
+    explicit.task.network.fprop_dtype = "bfloat16"
+    for layer in explicit.task.network.layers:
+        layer.fprop_dtype = "bfloat16"
+    planned = [inspection.inspect(p, overrides={})["memory"]["devices"] for p in (inherited, explicit)]
+    assert planned[0] == planned[1]

@@ -96,15 +96,23 @@ def micro_batch_spec(p: InstantiableParams, path: str = "") -> tf.TensorSpec | t
         raise ParamsError(f"{path or p.name}: balance_by={p.balance_by!r} needs micro_batch_shape (the shape of one "
                           "micro-batch of the first layer's input, batch dimension first, e.g. [8, 224, 224, 3]); "
                           "set it, or give an explicit balance, or use balance_by='params'")
-    shape, dtype = list(p.micro_batch_shape), p.input_dtype
-    if not shape or not isinstance(shape[0], (list, tuple)):
-        return tf.TensorSpec(shape, dtype)
-    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shape)
-    if len(dtypes) != len(shape):
+    shapes, several = micro_batch_shapes(p.micro_batch_shape)
+    dtype = p.input_dtype
+    if not several:
+        return tf.TensorSpec(shapes[0], dtype)
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+    if len(dtypes) != len(shapes):
         raise ParamsError(f"{path or p.name}: input_dtype={dtype!r} names {len(dtypes)} dtypes for the "
-                          f"{len(shape)} input shapes of micro_batch_shape={p.micro_batch_shape!r}; give one dtype "
+                          f"{len(shapes)} input shapes of micro_batch_shape={p.micro_batch_shape!r}; give one dtype "
                           "for all or one per shape")
-    return tuple(tf.TensorSpec(s, d) for s, d in zip(shape, dtypes))
+    return tuple(tf.TensorSpec(s, d) for s, d in zip(shapes, dtypes))
+
+
+def micro_batch_shapes(micro_batch_shape: Sequence[Any]) -> tuple[list[list[int]], bool]:
+    """(the input shapes, whether there are several) of a GPipe's micro_batch_shape: one shape, or a list of them
+    for a pipeline fed several tensors."""
+    several = bool(micro_batch_shape) and isinstance(micro_batch_shape[0], (list, tuple))
+    return ([list(s) for s in micro_batch_shape] if several else [list(micro_batch_shape)]), several
 
 
 def time_layer_params(layers: Sequence[InstantiableParams], input_spec: Any) -> list[float]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpipe_tf.errors import ConfigError
+from gpipe_tf.gpipe.plan import micro_batch_shapes
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.memory.plan import plan_pipeline, schedule_order
 
@@ -23,8 +24,7 @@ HEADROOM = 0.15  # a suggestion's predicted peak stays below (1 - HEADROOM) x th
 
 
 def _micro_batch_changes(pipe: InstantiableParams) -> list[Change]:
-    several = isinstance(pipe.micro_batch_shape[0], (list, tuple))  # a pipeline fed several tensors
-    shapes = [list(s) for s in pipe.micro_batch_shape] if several else [list(pipe.micro_batch_shape)]
+    shapes, several = micro_batch_shapes(pipe.micro_batch_shape)
     batch = shapes[0][0] * pipe.num_micro_batches
     out = []
     for factor in (2, 4, 8):

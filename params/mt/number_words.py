@@ -59,8 +59,8 @@ class NumbersTiny(Experiment):
             schedule=schedule_params(self.schedule))
         # The longest micro-batch the inputs give (src ids, src paddings, tgt ids, tgt paddings: the network's
         # 4-tuple the translation task feeds it), so that the memory planner needs no flag to size it.
-        rows = [self.batch_size // self.num_micro_batches, self.max_length]
-        p.network.set(micro_batch_shape=[rows] * 4, input_dtype=["int32", "float32", "int32", "float32"])
+        shape = [self.batch_size // self.num_micro_batches, self.max_length]
+        p.network.set(micro_batch_shape=[shape] * 4, input_dtype=["int32", "float32", "int32", "float32"])
         return p
 
     def _input(self, split: str, num_batches: int | None) -> InstantiableParams:

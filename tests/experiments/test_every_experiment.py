@@ -4,6 +4,7 @@ import pytest
 
 from gpipe_tf import experiment, inspection, model_registry
 from gpipe_tf.gpipe.pipeline import find_pipelines
+from gpipe_tf.gpipe.plan import micro_batch_shapes
 
 PUBLISHED = {  # trainable parameters, no aux head ([GP], [AMB]; tolerance as in issue 5)
     "image.amoebanet.AmoebaNetB_18_512_ImageNet480": (557e6, 0.01),
@@ -28,7 +29,7 @@ def test_every_experiment_resolves_and_inspects(key):
     pipelines = find_pipelines(params.task)
     assert (report.get("memory") is not None) == bool(pipelines), report.get("estimate_notes")
     for _, pipe in pipelines:
-        shapes = pipe.micro_batch_shape if isinstance(pipe.micro_batch_shape[0], list) else [pipe.micro_batch_shape]
+        shapes, _ = micro_batch_shapes(pipe.micro_batch_shape)
         assert {s[0] * pipe.num_micro_batches for s in shapes} == {params.input.train.batch_size}
 
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -51,16 +52,22 @@ class LocalWorkers:
 
     With `profiler`, each server also runs a TensorFlow profiler server (`profiler_addresses`, one per worker), so
     that `tf.profiler.experimental.client.trace` can record what each worker's executor runs, op by op.
+
+    With `memory`, each server runs TensorFlow's BFC allocator on its CPU and answers `memory_info` and
+    `reset_memory_stats` about it: the client cannot read a remote device's allocator (`get_memory_info` rejects
+    remote devices), so each worker reads its own and sends the figures over a small socket of its own.
     """
 
-    def __init__(self, num_workers: int, threads: int = 1, profiler: bool = False) -> None:
+    def __init__(self, num_workers: int, threads: int = 1, profiler: bool = False, memory: bool = False) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         self.num_workers = num_workers
         self.threads = threads
-        ports = free_ports(2 * num_workers if profiler else num_workers)
+        ports = free_ports(num_workers * (1 + profiler + memory))
         self.addresses = [f"127.0.0.1:{port}" for port in ports[:num_workers]]
-        self.profiler_addresses = [f"127.0.0.1:{port}" for port in ports[num_workers:]]
+        extra = iter(ports[num_workers:])
+        self.profiler_addresses = [f"127.0.0.1:{next(extra)}" for _ in range(num_workers)] if profiler else []
+        self.memory_addresses = [f"127.0.0.1:{next(extra)}" for _ in range(num_workers)] if memory else []
         self.processes: list[subprocess.Popen] = []
 
     @property
@@ -71,14 +78,18 @@ class LocalWorkers:
     def start(self) -> LocalWorkers:
         """Starts every server process; returns once all accept connections (or raises)."""
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+        if self.memory_addresses:
+            env["TF_CPU_ALLOCATOR_USE_BFC"] = "1"  # the allocator whose figures get_memory_info reports on a CPU
         for task in range(self.num_workers):
             profiler_port = self.profiler_addresses[task].split(":")[1] if self.profiler_addresses else "0"
+            memory_port = self.memory_addresses[task].split(":")[1] if self.memory_addresses else "0"
             cmd = [sys.executable, "-m", "gpipe_tf.workers", json.dumps(self.spec), str(task), str(self.threads),
-                   profiler_port]
+                   profiler_port, memory_port]
             self.processes.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent,
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         deadline = time.time() + 60
-        for address, proc in zip(self.addresses, self.processes):
+        waits = list(zip(self.addresses, self.processes)) + list(zip(self.memory_addresses, self.processes))
+        for address, proc in waits:
             host, port = address.split(":")
             while True:
                 if proc.poll() is not None:
@@ -108,6 +119,25 @@ class LocalWorkers:
                 proc.wait()
         self.processes = []
 
+    def memory_info(self, task: int) -> dict[str, int]:
+        """Worker `task`'s allocator: {"current": bytes in use, "peak": the most since the last reset}."""
+        return self._ask_memory(task, "info")
+
+    def reset_memory_stats(self, task: int) -> None:
+        """Makes worker `task`'s peak start again from its current bytes."""
+        self._ask_memory(task, "reset")
+
+    def _ask_memory(self, task: int, command: str) -> dict[str, int]:
+        if not self.memory_addresses:
+            raise RuntimeError("these workers were started without memory=True, so they do not report memory")
+        host, port = self.memory_addresses[task].split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as conn:
+            conn.sendall(f"{command}\n".encode())
+            reply = json.loads(conn.makefile().readline())
+        if "error" in reply:
+            raise RuntimeError(f"worker {task} could not report memory: {reply['error']}")
+        return reply
+
     def __enter__(self) -> LocalWorkers:
         return self.start()
 
@@ -129,7 +159,31 @@ def connect(spec: dict[str, list[str]], inter_op_threads: int = 1) -> list[str]:
     return [f"/job:{JOB}/replica:0/task:{k}/device:CPU:0" for k in range(len(spec[JOB]))]
 
 
-def _serve(spec_json: str, task: int, threads: int, profiler_port: int = 0) -> None:
+def _memory_channel(port: int) -> None:
+    """Answers "info" and "reset" about this process's CPU allocator, one request per connection, until the end."""
+    import tensorflow as tf  # noqa: PLC0415 -- the worker process has loaded it already
+
+    listener = socket.create_server(("127.0.0.1", port))
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            command = conn.makefile().readline().strip()
+            if not command:  # LocalWorkers.start checking that the port is open
+                continue
+            try:
+                if command == "reset":
+                    tf.config.experimental.reset_memory_stats("CPU:0")
+                    reply: dict = {}
+                elif command == "info":
+                    reply = dict(tf.config.experimental.get_memory_info("CPU:0"))
+                else:
+                    reply = {"error": f"unknown command {command!r}; known: info, reset"}
+            except (ValueError, tf.errors.OpError) as e:  # sent to the client, which raises it
+                reply = {"error": str(e)}
+            conn.sendall((json.dumps(reply) + "\n").encode())
+
+
+def _serve(spec_json: str, task: int, threads: int, profiler_port: int = 0, memory_port: int = 0) -> None:
     # oneDNN kernels, as the trainer chooses them (gpipe_tf/trainer_main.py says why); before TensorFlow starts.
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     import tensorflow as tf  # noqa: PLC0415 -- after the line above: TensorFlow reads the variable as it loads
@@ -139,8 +193,11 @@ def _serve(spec_json: str, task: int, threads: int, profiler_port: int = 0) -> N
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
     server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec_json)), job_name=JOB, task_index=task,
                                   config=config, start=True)
+    if memory_port:
+        # The process-wide CPU allocator, which the server's device uses too (docs/memory.md#checked-against-measured-peaks).
+        threading.Thread(target=_memory_channel, args=(memory_port,), daemon=True).start()
     server.join()
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+    _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *(int(a) for a in sys.argv[4:6]))

@@ -48,3 +48,47 @@ def test_two_worker_processes_compute_the_same_gradients():
     assert len(lines) == 2, result.stdout
     for line in lines:
         assert float(line.split("max_diff=")[1]) < 1e-10, line
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import tensorflow as tf
+    from gpipe_tf import workers
+
+    with workers.LocalWorkers(2) as plain:
+        try:
+            plain.memory_info(0)
+        except RuntimeError as e:
+            print("plain:", e)
+    with workers.LocalWorkers(2, memory=True) as cluster:
+        devices = workers.connect(cluster.spec)
+        before = [cluster.memory_info(t)["current"] for t in range(2)]
+        with tf.device(devices[1]):
+            variable = tf.Variable(tf.zeros([512, 512]))  # 1 MiB on worker 1 only
+        after = [cluster.memory_info(t)["current"] for t in range(2)]
+        print("variable:", after[0] - before[0], after[1] - before[1])
+        cluster.reset_memory_stats(1)
+
+        @tf.function(autograph=False)
+        def square():
+            with tf.device(devices[1]):
+                big = tf.random.stateless_normal([1024, 1024], [1, 2])  # a 4 MiB temporary
+                return tf.reduce_sum(tf.matmul(big, big))
+
+        square()
+        info = cluster.memory_info(1)
+        print("step:", info["peak"] - info["current"])
+""")
+
+
+def test_each_worker_reports_its_own_allocator():
+    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    assert "memory=True" in out["plain"], result.stdout
+    # The variable is on worker 1 and nowhere else; the step's temporaries (the normal sample and the product, 4
+    # MiB each) raised worker 1's peak above what it holds after the step.
+    # (Worker 1 may still hold the variable's initial value, 1 MiB more, which the client releases later.)
+    on_0, on_1 = (int(n) for n in out["variable"].split())
+    assert on_0 == 0 and 2 ** 20 <= on_1 <= 2 * 2 ** 20 + 4096, result.stdout
+    assert int(out["step"]) >= 8 * 2 ** 20, result.stdout

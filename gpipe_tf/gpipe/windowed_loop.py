@@ -239,22 +239,33 @@ class WindowedLoop:
             last_next = state.last + 1
             index_last = last_next - 1
             with tf.name_scope("loss"):
-                targets = tf.nest.map_structure(lambda t: t[index_last], self.targets)
                 outs = [tf.identity(t) for t in float_leaves(forward.outputs)]
+                # The loss of micro-batch i starts once its output exists. Its logits-sized tensors that need only
+                # the targets (one-hot labels, the broadcast gradient seed) would otherwise be made for every
+                # micro-batch at the start of the loop (the iterations run in parallel) and held until used.
+                with tf.control_dependencies(outs):
+                    targets = tf.nest.map_structure(lambda t: tf.identity(t[index_last]), self.targets)
+                    seed = tf.identity(self.seed)
                 tape = tf.GradientTape(watch_accessed_variables=False)
                 with tape:
                     tape.watch(outs + list(state.head_weights))
                     got = self.loss.fn(list(state.head_weights), with_float_leaves(forward.outputs, outs), targets,
                                        forward.context)
             with tf.name_scope("backward"):
-                seed = tf.cast(self.seed, got["loss"].dtype)
+                seed = tf.cast(seed, got["loss"].dtype)
                 grads = tape.gradient(got["loss"], outs + list(state.head_weights), output_gradients=seed,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                # The output gradient, which starts this micro-batch's backward and so lets the next forward in,
+                # leaves once the loss's own sums exist: the ops that only compute them (the argmax, the summed
+                # cross-entropy) are off the backward's path, and a worker could otherwise run them late and hold
+                # the logits of several micro-batches until then.
+                with tf.control_dependencies([got[n] for n in self.names]):
+                    dy = [tf.identity(g) for g in grads[:len(outs)]]
             head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(state.head_sums, grads[len(outs):]))
             values = tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(state.values, self.names))
             aux_sums = tuple(total + st for total, st in zip(state.aux_sums, stats))
         state = state._replace(last=last_next, head_sums=head_sums, values=values, aux_sums=aux_sums)
-        return state, grads[:len(outs)]
+        return state, dy
 
     def backward(self, state: LoopState, forward: Forward,
                  dy: list[tf.Tensor]) -> tuple[LoopState, list[tf.Tensor]]:

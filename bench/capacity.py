@@ -90,10 +90,13 @@ def transformer_params(column: Column, layers: int) -> Params:
 
 def plan_of(params: Params) -> dict:
     """The planner's per-device plan of an experiment's pipeline against its family's budget."""
+    from gpipe_tf.gpipe.pipeline import find_pipelines
+    from gpipe_tf.memory.head import task_head
     from gpipe_tf.memory.plan import plan_pipeline
 
     budget = BUDGET["amoebanet" if "amoeba" in params.model else "transformer"]
-    return plan_pipeline(params.task.network, params.train, "task.network", budget)
+    pipe = dict(find_pipelines(params.task))["task.network"]
+    return plan_pipeline(pipe, params.train, "task.network", budget, head=task_head(params.task, "task.network"))
 
 
 def run_column(column: Column) -> dict:
@@ -119,7 +122,7 @@ def run_column(column: Column) -> dict:
     from gpipe_tf.layers.base_layer import count_params
 
     devices = plan["devices"]
-    return {"best": best, "params": count_params(params.task.network),
+    return {"best": best, "params": count_params(params.task),
             "param_memory": sum(d["weights"] + d["gradient_sums"] + d["optimizer_slots"] for d in devices),
             "activation_memory": sum(d["stashed_activations"] + d["recompute"] for d in devices),
             "peak": plan["max_peak"], "published_peak": published_peak}

@@ -20,6 +20,7 @@ from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe.pipeline import find_pipelines
 from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.layers.base_layer import count_params
+from gpipe_tf.memory.head import task_head
 from gpipe_tf.memory.plan import plan_pipeline
 from gpipe_tf.memory.sizes import human
 
@@ -107,7 +108,7 @@ def plan_with(model: str, knob: str, value: int, num_stages: int, device_memory:
                           "may build a plain stack for one stage and one micro-batch); start at 2 stages or give "
                           "it more micro-batches")
     path, pipe = pipelines[0]
-    plan = plan_pipeline(pipe, params.train, path, device_memory)
+    plan = plan_pipeline(pipe, params.train, path, device_memory, head=task_head(params.task, path))
     plan["params"] = count_params(params.task)
     return plan
 

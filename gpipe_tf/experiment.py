@@ -21,6 +21,7 @@ import gin
 
 from gpipe_tf import model_registry
 from gpipe_tf.errors import ConfigError
+from gpipe_tf.gpipe.batch_shapes import micro_batch_shapes, rescaled_micro_batch_shape
 from gpipe_tf.hyperparams import InstantiableParams, Params, parse_overrides
 from gpipe_tf.training import run_seed
 
@@ -189,12 +190,46 @@ def resolve(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[st
     params = experiment.model_params()
     pairs = parse_overrides(overrides)
     notes: list[str] = []
+    before = dict(_pipeline_batches(params))
     for key, text in pairs:
         params.override(key, text, notes)
+    _follow_micro_batch_counts(params, before, {key for key, _ in pairs}, notes)
     run_seed.apply(params, [key for key, _ in pairs])
     knobs = {name: getattr(experiment, name) for name in sorted(cls.knobs())}
     return Resolved(params=params.freeze(), operative_config=gin.operative_config_str(), knobs=knobs,
                     notes=tuple(f"note: --params {note}" for note in notes))
+
+
+def _pipeline_batches(p: Params, path: str = "") -> list[tuple[str, tuple[int, Any]]]:
+    """(dotted path, (num_micro_batches, micro_batch_shape)) of every pipeline's Params in `p` (a node with both
+    fields: a GPipe's), outside lists."""
+    found = []
+    if "num_micro_batches" in p and "micro_batch_shape" in p:
+        found.append((path, (p.num_micro_batches, p.micro_batch_shape)))
+    for name, value in p.items():
+        if isinstance(value, Params):
+            found += _pipeline_batches(value, f"{path}.{name}" if path else name)
+    return found
+
+
+def _follow_micro_batch_counts(params: Params, before: dict[str, tuple[int, Any]], keys: set[str],
+                               notes: list[str]) -> None:
+    """An override of a pipeline's num_micro_batches that leaves the experiment's micro_batch_shape as it was
+    rescales that shape, so that micro-batches x M is still the experiment's batch (the memory planner sizes the
+    activations by it); the change is noted."""
+    for path, (m, shape) in _pipeline_batches(params):
+        m_before, shape_before = before.get(path, (m, shape))
+        if m == m_before or shape is None or shape != shape_before or f"{path}.micro_batch_shape" in keys:
+            continue
+        new = rescaled_micro_batch_shape(shape, m_before, m)
+        if new is None:
+            raise ConfigError(f"--params {path}.num_micro_batches={m}: the experiment's batch of "
+                              f"{micro_batch_shapes(shape)[0][0][0] * m_before} rows ({path}.micro_batch_shape="
+                              f"{shape} at {m_before} micro-batches) does not split into {m}; use a divisor of it, "
+                              f"or set {path}.micro_batch_shape too")
+        params.override(f"{path}.micro_batch_shape", repr(new))
+        notes.append(f"{path}.num_micro_batches={m} rescaled {path}.micro_batch_shape from {shape} to {new} (the "
+                     "same batch)")
 
 
 def resolve_params(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),

@@ -23,6 +23,7 @@ from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.layers.base_layer import count_params
 from gpipe_tf.memory import plan as memory_plan
 from gpipe_tf.memory import suggest
+from gpipe_tf.memory.head import task_head
 from gpipe_tf.memory.sizes import human
 
 
@@ -84,7 +85,8 @@ def _memory(params: Params, pipe: InstantiableParams, path: str, stages: list[di
     try:
         if "train" not in params:
             raise ConfigError("memory plan: these Params have no train subtree, so the optimizer is unknown")
-        plan = memory_plan.plan_pipeline(pipe, params.train, path, device_memory)
+        head = task_head(params.task, path)
+        plan = memory_plan.plan_pipeline(pipe, params.train, path, device_memory, head=head)
     except ConfigError as e:
         if device_memory is not None:
             raise
@@ -94,7 +96,7 @@ def _memory(params: Params, pipe: InstantiableParams, path: str, stages: list[di
         entry["activation_bytes_estimate"] = mem["stashed_activations"] + mem["recompute"]
     plan["suggestion"] = None
     if plan["fits"] is False:
-        plan["suggestion"] = suggest.suggest(pipe, params.train, device_memory, path)
+        plan["suggestion"] = suggest.suggest(pipe, params.train, device_memory, path, head=head)
     return plan
 
 
@@ -163,7 +165,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 _MEMORY_COLUMNS = (("weights", "weights"), ("gradient_sums", "grad sums"), ("optimizer_slots", "opt slots"),
                    ("ema", "ema"), ("stashed_activations", "stashes"), ("recompute", "recompute"),
-                   ("boundary_buffers", "boundary"), ("backward_working", "bwd work"), ("optimizer_update", "update"),
+                   ("boundary_buffers", "boundary"), ("backward_working", "bwd work"), ("loss_head", "loss head"),
+                   ("optimizer_update", "update"),
                    ("peak", "peak"))
 
 
@@ -178,8 +181,8 @@ def format_memory(memory: dict[str, Any]) -> list[str]:
         fits = "-" if row["fits"] is None else ("yes" if row["fits"] else "NO")
         lines.append(f"{row['device']:>6}  {row['stashed_micro_batches']:>5} "
                      + "  ".join(f"{human(row[key]):>10}" for key, _ in _MEMORY_COLUMNS) + f"  {fits}")
-    lines.append("peak = weights + grad sums + opt slots + ema + boundary + max(stashes + recompute + bwd work, "
-                 "update)")
+    lines.append("peak = weights + grad sums + opt slots + ema + boundary + max(stashes + recompute + bwd work + loss "
+                 "head, update); the loss head's weights are in the last chunk's device's columns")
     if budget is not None:
         if memory["fits"]:
             lines.append(f"fits: every device's peak is within {human(budget)} (largest {human(memory['max_peak'])})")

@@ -1,6 +1,7 @@
 """GPipe: partition a layer sequence into stages, place them on devices, schedule micro-batches, rematerialize.
 
 One idea per module (torchgpipe's layout): `plan` (the stage plan: split, costs, remat, devices, from Params),
+`batch_shapes` (the micro-batch shapes Params give),
 `partition` (balancing), `placement` (devices), `microbatch` (split/merge), `leaves` (which leaves of a stage
 boundary carry gradients), `remat` (recomputation policies), `pipeline` (the GPipe layer), `schedule_base` (the
 schedule contract and the loss a task hands the pipeline), `schedules` (their names), `orders` (each schedule's

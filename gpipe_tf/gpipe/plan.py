@@ -26,6 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.gpipe import partition, placement, remat
+from gpipe_tf.gpipe.batch_shapes import micro_batch_shapes
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 LayerTimer = Callable[[Sequence[InstantiableParams], Any], Sequence[float]]
@@ -106,13 +107,6 @@ def micro_batch_spec(p: InstantiableParams, path: str = "") -> tf.TensorSpec | t
                           f"{len(shapes)} input shapes of micro_batch_shape={p.micro_batch_shape!r}; give one dtype "
                           "for all or one per shape")
     return tuple(tf.TensorSpec(s, d) for s, d in zip(shapes, dtypes))
-
-
-def micro_batch_shapes(micro_batch_shape: Sequence[Any]) -> tuple[list[list[int]], bool]:
-    """(the input shapes, whether there are several) of a GPipe's micro_batch_shape: one shape, or a list of them
-    for a pipeline fed several tensors."""
-    several = bool(micro_batch_shape) and isinstance(micro_batch_shape[0], (list, tuple))
-    return ([list(s) for s in micro_batch_shape] if several else [list(micro_batch_shape)]), several
 
 
 def time_layer_params(layers: Sequence[InstantiableParams], input_spec: Any) -> list[float]:

@@ -260,6 +260,12 @@ class BaseLayer(tf.Module):
         raise NotImplementedError(f"{cls.__name__}.activation_bytes is not implemented (the layer cannot say "
                                   "which tensors its backward pass keeps)")
 
+    @classmethod
+    def scratch_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Scratch memory the largest single op of this layer's backward pass allocates beside its tensors (a
+        kernel's workspace), from Params alone; 0 unless a layer says otherwise."""
+        return 0
+
 
 def sensitive_dtype(dtype: tf.DType) -> tf.DType:
     """The dtype for numerically sensitive work (softmax, norm statistics, losses): float32 for half precision."""

@@ -87,3 +87,12 @@ class SoftmaxCrossEntropy(BaseLayer):
     def activation_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
         """The logits in the variables' dtype (the loss's softmax, outside this layer, keeps its own copy)."""
         return elements_bytes(cls.output_spec(p, input_spec))
+
+    @classmethod
+    def loss_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
+        """What the projection and `xent` hold at once in a training step on `input_spec` features, at the start of
+        their backward pass: the projection's output in the compute dtype, and four logits-sized float32 tensors
+        (the logits; the cross-entropy's targets and log-softmax, kept for the backward; the logits' gradient)."""
+        logits = num_elements(input_spec) // p.input_dim * p.num_classes
+        return logits * (tf.as_dtype(input_spec.dtype).size + 4 * sensitive_dtype(tf.as_dtype(p.dtype or
+                                                                                                "float32")).size)

@@ -27,6 +27,7 @@ from gpipe_tf.gpipe import placement
 from gpipe_tf.gpipe.pipeline import find_pipelines
 from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.memory import suggest
+from gpipe_tf.memory.head import task_head
 from gpipe_tf.memory.plan import plan_pipeline, schedule_order
 from gpipe_tf.memory.sizes import human
 
@@ -151,15 +152,16 @@ def explain(message: str, params: Params, device_memory: int | None = None, budg
     where = f"{at.path} stage {at.stage} of {at.pipe.num_stages}" + (
         f", replica {at.replica} of {at.replicas}" if at.replicas > 1 else "")
     try:
-        plan = plan_pipeline(at.pipe, params.train, at.path, device_memory)
+        head = task_head(params.task, at.path)
+        plan = plan_pipeline(at.pipe, params.train, at.path, device_memory, head=head)
     except ConfigError as e:
         return f"{line} ({where}); the memory planner cannot plan it: {e}"
     predicted = plan["devices"][at.stage]["peak"]
     line = f"{line} ({where}); the planner predicts a peak of {human(predicted)} on that device"
     if device_memory is not None:
-        hint = suggest.suggest(at.pipe, params.train, device_memory, at.path)
+        hint = suggest.suggest(at.pipe, params.train, device_memory, at.path, head=head)
         return f"{line}; {suggest.describe(hint, f'--device_memory={budget_text or device_memory}')}"
-    hint = suggest.suggest(at.pipe, params.train, predicted, at.path)
+    hint = suggest.suggest(at.pipe, params.train, predicted, at.path, head=head)
     return (f"{line}; {suggest.describe(hint, f'{1 - suggest.HEADROOM:.0%} of that peak on every device')}"
             + ("; give --device_memory=SIZE (your device's memory) for the change that fits it" if hint else ""))
 
@@ -171,13 +173,14 @@ def plan_warnings(params: Params, device_memory: int, budget_text: str) -> list[
     target = f"--device_memory={budget_text}"
     for path, pipe in find_pipelines(params.task):
         try:
-            plan = plan_pipeline(pipe, params.train, path, device_memory)
+            head = task_head(params.task, path)
+            plan = plan_pipeline(pipe, params.train, path, device_memory, head=head)
         except ConfigError as e:
             lines.append(f"warning: {target}: {path} cannot be planned ({e})")
             continue
         if not plan["fits"]:
             over = ", ".join(str(d["device"]) for d in plan["devices"] if not d["fits"])
-            hint = suggest.suggest(pipe, params.train, device_memory, path)
+            hint = suggest.suggest(pipe, params.train, device_memory, path, head=head)
             lines.append(f"warning: the planner predicts {path} needs {human(plan['max_peak'])} on device(s) {over}, "
                          f"more than {target}; {suggest.describe(hint, target)}")
     return lines

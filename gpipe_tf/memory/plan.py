@@ -18,6 +18,7 @@ from gpipe_tf.gpipe.plan import make_plan, micro_batch_spec
 from gpipe_tf.gpipe.schedules import step_order
 from gpipe_tf.hyperparams import InstantiableParams, Params
 from gpipe_tf.memory import stage as stage_lib
+from gpipe_tf.memory.head import NO_HEAD, Head, head_memory
 from gpipe_tf.memory.stage import OptimizerMemory
 from gpipe_tf.memory.stash import stashed_micro_batches
 
@@ -54,8 +55,9 @@ def schedule_order(pipe: InstantiableParams, path: str = "task.network") -> Sche
 
 
 def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.network",
-                  device_memory: int | None = None) -> dict[str, Any]:
-    """The per-device plan of the GPipe layer `pipe` trained with `train` (its optimizer and EMA).
+                  device_memory: int | None = None, head: Head = NO_HEAD) -> dict[str, Any]:
+    """The per-device plan of the GPipe layer `pipe` trained with `train` (its optimizer and EMA), with the task's
+    loss `head` (`head.task_head`) on the device of the last chunk.
 
     Returns {"schedule", "num_devices", "num_micro_batches", "remat", "compute_dtype", "optimizer_slot_copies",
     "device_memory", "fits", "max_peak", "devices": [{"device", "stages", "weights", ..., "peak", "fits"}],
@@ -80,10 +82,16 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
     for s, names in enumerate(plan.stage_layers):
         indices = list(plan.layer_indices(s))
         traces = stage_lib.trace_layers([layers[j] for j in indices], spec, names)
+        last = s == plan.num_chunks - 1
+        # The head runs on each micro-batch's output where the schedule computes the loss per micro-batch, else once
+        # on all M outputs.
+        head_params, head_bytes = head_memory(head, traces[-1].output_spec, 1 if order.loss_per_micro_batch else m
+                                              ) if last else ((), 0)
         setting = stage_lib.StageSetting(
-            micro_batches=m, stashed=stashes[s], remat=plan.remat[s], first=s == 0, last=s == plan.num_chunks - 1,
-            outputs_kept=s == plan.num_chunks - 1 and not order.loss_per_micro_batch, input_gradient=s > 0,
-            variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema)
+            micro_batches=m, stashed=stashes[s], remat=plan.remat[s], first=s == 0, last=last,
+            outputs_kept=last and not order.loss_per_micro_batch, input_gradient=s > 0,
+            variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema,
+            head_params=head_params, head_bytes=head_bytes)
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
         spec = traces[-1].output_spec
     devices = []
@@ -100,4 +108,5 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
     return {"schedule": order.name, "num_devices": k, "virtual_stages": v, "num_micro_batches": m,
             "remat": pipe.remat, "compute_dtype": compute.name, "optimizer_slot_copies": opt.slots, "ema": ema,
             "device_memory": device_memory, "fits": fits, "devices": devices, "stages": per_stage,
+            "head": [name for name, _ in head.layers],
             "max_peak": max(r["peak"] for r in devices)}

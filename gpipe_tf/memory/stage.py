@@ -11,9 +11,12 @@ What a stage holds at its peak, the start of the backward pass of its last stash
   sent, with their gradients (the last fill-drain stage keeps every micro-batch's output and output gradient; a
   stage that holds the whole mini-batch and computes its input's gradient holds all of it);
 * working memory of the backward pass: one layer's weight gradients before they are added to the sums, the
-  activation gradient flowing between layers, the optimizer's temporaries that read only variables (computed as
+  activation gradient flowing between layers, the largest scratch buffer of one kernel (a convolution's gradient
+  on a CPU: `BaseLayer.scratch_bytes`), the optimizer's temporaries that read only variables (computed as
   soon as the step starts) and, with remat, the copy of the weights the recomputation differentiates;
-* or, if larger, the optimizer update's temporaries (`plan.optimizer_memory`).
+* or, if larger, the optimizer update's temporaries (`plan.optimizer_memory`);
+* on the last chunk's device, the task's loss head too (`head.py`): its weights, gradient sums and optimizer slots
+  with the stage's, and its logits and loss tensors for the micro-batches it runs on at once, alive with the stashes.
 """
 
 from __future__ import annotations
@@ -55,11 +58,12 @@ class StageMemory:
     backward_working: int
     optimizer_update: int
     stashed_micro_batches: int
+    loss_head: int = 0  # the loss head's logits and loss tensors (the last chunk's stage; its weights are counted)
 
     @property
     def peak(self) -> int:
         """Predicted peak bytes: what persists, plus the larger of the backward pass's and the update's needs."""
-        backward = self.stashed_activations + self.recompute + self.backward_working
+        backward = self.stashed_activations + self.recompute + self.backward_working + self.loss_head
         return (self.weights + self.gradient_sums + self.optimizer_slots + self.ema + self.boundary_buffers
                 + max(backward, self.optimizer_update))
 
@@ -76,6 +80,7 @@ class LayerTrace:
     activation_bytes: int
     output_spec: Any
     shared_with_previous: int = 0  # bytes of activation_bytes the previous layer of the stage already keeps
+    scratch: int = 0  # the largest scratch buffer of one op of its backward pass (`BaseLayer.scratch_bytes`)
 
 
 def trace_layers(layers: Sequence[InstantiableParams], input_spec: Any, names: Sequence[str]) -> list[LayerTrace]:
@@ -93,11 +98,12 @@ def trace_layers(layers: Sequence[InstantiableParams], input_spec: Any, names: S
             kept = int(lp.cls.activation_bytes(lp, spec))
             shared = getattr(lp.cls, "shared_with_previous_bytes", None)
             shared = int(shared(lp, spec)) if shared is not None else 0
+            scratch = int(lp.cls.scratch_bytes(lp, spec))
         except NotImplementedError as e:
             raise ConfigError(f"memory plan: {name} ({lp.cls.__name__}) cannot estimate its memory from Params: "
                               f"{lp.cls.__name__}.{what} is missing ({e}); implement it, or plan without "
                               "--device_memory") from None
-        out.append(LayerTrace(count, kept, next_spec, shared))
+        out.append(LayerTrace(count, kept, next_spec, shared, scratch))
         spec = next_spec
     return out
 
@@ -117,11 +123,14 @@ class StageSetting:
     compute_bytes: int = 4  # bytes per element of the compute dtype
     optimizer: OptimizerMemory = OptimizerMemory(0.0, 0.0, 0.0)
     ema: bool = False
+    head_params: tuple[int, ...] = ()  # the loss head's layers' parameter counts, on this stage's device
+    head_bytes: int = 0  # the loss head's logits and loss tensors at once (`head.head_memory`)
 
 
 def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSetting) -> StageMemory:
     """The stage's memory under `setting`; see the module doc."""
-    params = sum(t.params for t in traces)
+    stage_params = sum(t.params for t in traces)
+    params = stage_params + sum(setting.head_params)
     weights = params * setting.variable_bytes
     # A layer's count may include a tensor the previous layer of the stage keeps too (an AmoebaNet cell's ReLU of
     # h[i-2], the previous cell's ReLU of its h[i-1]): the stage keeps it once.
@@ -129,7 +138,7 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     in_bytes = spec_bytes(input_spec)
     out_bytes = spec_bytes(traces[-1].output_spec) if traces else in_bytes
     # Mixed precision: each micro-batch casts the stage's weights; without remat the backward keeps the cast.
-    cast_weights = params * setting.compute_bytes if setting.compute_bytes != setting.variable_bytes else 0
+    cast_weights = stage_params * setting.compute_bytes if setting.compute_bytes != setting.variable_bytes else 0
     # The stage's input copy is what it received: on the first stage a slice of the mini-batch it holds (a slice
     # along the batch shares its buffer), on a later stage the transferred micro-batch itself.
     per_micro_batch = (0 if setting.first else in_bytes) + (0 if setting.remat else activations + cast_weights)
@@ -143,15 +152,17 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     # gradient flows between layers (each layer's stashed activations are freed as its gradient uses them); the
     # optimizer's temporaries that read only variables are alive throughout; a recomputing stage differentiates
     # with respect to a copy of its weights made in the backward pass (`gpipe/remat.py` says why).
-    largest_layer = max([t.params for t in traces] + [0]) * setting.variable_bytes
+    largest_layer = max([t.params for t in traces] + list(setting.head_params) + [0]) * setting.variable_bytes
     flowing = max(in_bytes, out_bytes)
     opt = setting.optimizer
-    backward_working = largest_layer + flowing + int(opt.early * weights) + (weights if setting.remat else 0)
+    scratch = max([t.scratch for t in traces] + [0])  # ops run one at a time: one kernel's scratch at once
+    backward_working = (largest_layer + flowing + scratch + int(opt.early * weights)
+                        + (weights if setting.remat else 0))
     return StageMemory(params=params, weights=weights, gradient_sums=weights,
                        optimizer_slots=int(opt.slots * weights), ema=weights if setting.ema else 0,
                        stashed_activations=stash, recompute=recompute, boundary_buffers=boundary,
                        backward_working=backward_working, optimizer_update=int(opt.update * weights),
-                       stashed_micro_batches=setting.stashed)
+                       stashed_micro_batches=setting.stashed, loss_head=setting.head_bytes)
 
 
 def compute_spec(spec: Any, dtype: str) -> Any:

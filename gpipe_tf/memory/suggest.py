@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gpipe_tf.errors import ConfigError
-from gpipe_tf.gpipe.plan import micro_batch_shapes
+from gpipe_tf.gpipe.batch_shapes import rescaled_micro_batch_shape
 from gpipe_tf.hyperparams import InstantiableParams, Params
+from gpipe_tf.memory.head import NO_HEAD, Head
 from gpipe_tf.memory.plan import plan_pipeline, schedule_order
 
 Change = tuple[str, dict[str, Any]]  # (description, {field: value} on the pipeline Params)
@@ -24,15 +25,12 @@ HEADROOM = 0.15  # a suggestion's predicted peak stays below (1 - HEADROOM) x th
 
 
 def _micro_batch_changes(pipe: InstantiableParams) -> list[Change]:
-    shapes, several = micro_batch_shapes(pipe.micro_batch_shape)
-    batch = shapes[0][0] * pipe.num_micro_batches
     out = []
     for factor in (2, 4, 8):
         m = pipe.num_micro_batches * factor
-        if batch % m == 0:
-            smaller = [[batch // m] + s[1:] for s in shapes]
-            out.append((f"num_micro_batches={m}", {"num_micro_batches": m,
-                                                   "micro_batch_shape": smaller if several else smaller[0]}))
+        smaller = rescaled_micro_batch_shape(pipe.micro_batch_shape, pipe.num_micro_batches, m)
+        if smaller is not None:
+            out.append((f"num_micro_batches={m}", {"num_micro_batches": m, "micro_batch_shape": smaller}))
     return out
 
 
@@ -63,9 +61,10 @@ def _apply(pipe: InstantiableParams, changes: list[Change]) -> InstantiableParam
 
 
 def suggest(pipe: InstantiableParams, train: Params, device_memory: int, path: str = "task.network",
-            planner: Callable[..., dict[str, Any]] = plan_pipeline) -> dict[str, Any] | None:
+            planner: Callable[..., dict[str, Any]] = plan_pipeline, head: Head = NO_HEAD) -> dict[str, Any] | None:
     """The first candidate (single changes, then pairs) whose predicted peak is within (1 - HEADROOM) x
-    `device_memory` on every device: {"change", "params" (the --params text), "max_peak"}; None if none is."""
+    `device_memory` on every device, the task's loss `head` included: {"change", "params" (the --params text),
+    "max_peak"}; None if none is."""
     groups = candidate_changes(pipe)
     singles = [[c] for group in groups for c in group]
     # Pairs: one change from each of two groups (e.g. 1F1B with remat), in order of preference.
@@ -73,7 +72,7 @@ def suggest(pipe: InstantiableParams, train: Params, device_memory: int, path: s
     for changes in singles + pairs:
         candidate = _apply(pipe, changes)
         try:
-            plan = planner(candidate, train, path, device_memory)
+            plan = planner(candidate, train, path, device_memory, head=head)
         except (ConfigError, ValueError):
             continue  # e.g. more stages than the balance allows: not a candidate
         if plan["max_peak"] <= (1 - HEADROOM) * device_memory:

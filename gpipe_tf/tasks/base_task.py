@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,6 +12,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe import placement
 from gpipe_tf.gpipe.pipeline import GPipe
 from gpipe_tf.gpipe.schedule_base import PipelineLoss
+from gpipe_tf.hyperparams import InstantiableParams
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 
 # A metric is (value, weight): evaluation averages values weighted by their weights across batches.
@@ -20,7 +22,28 @@ Head = Callable[[Any, Any, Any, FPropContext], dict]
 
 
 class BaseTask(BaseLayer):
-    """Base class of tasks. Subclasses build their layers in `__init__` and implement `compute_loss`."""
+    """Base class of tasks. Subclasses build their layers in `__init__` and implement `compute_loss`.
+
+    A task whose `network` is pipelined runs its loss head (`network_and_head`) on the device of the pipeline's
+    last chunk; it creates the head's layers with `create_head`, so that their variables, gradient sums and
+    optimizer slots live there too, and says which they are in `head_params` (the memory planner reads it).
+    """
+
+    @classmethod
+    def head_params(cls, p: InstantiableParams) -> list[tuple[str, InstantiableParams]]:
+        """(child name, layer Params) of the layers this task runs on its network's output, from Params alone: by
+        default every field of `p` that holds a layer's Params, except `network`. A task that builds its head
+        from other fields overrides it."""
+        return [(name, value) for name, value in p.items() if name != "network"
+                and isinstance(value, InstantiableParams) and isinstance(value.cls, type)
+                and issubclass(value.cls, BaseLayer)]
+
+    def create_head(self, name: str, params: InstantiableParams, network: BaseLayer) -> BaseLayer:
+        """Creates child `name`, a layer of the loss head on `network`'s output: under a pipelined network, with
+        its variables on the device of the network's last chunk, which runs the head."""
+        where = tf.device(network.devices[-1]) if isinstance(network, GPipe) else contextlib.nullcontext()
+        with where:
+            return self.create_child(name, params)
 
     def compute_loss(self, theta: Mapping[str, Any], batch: Mapping[str, tf.Tensor],
                      ctx: FPropContext) -> tuple[tf.Tensor, Metrics]:

@@ -35,7 +35,7 @@ class ClassifierTask(BaseTask):
         if self.p.network is None:
             raise ParamsError(f"{self.path}.network is None; set it to a layer's Params (e.g. Sequential)")
         self.network = self.create_child("network", self.p.network)
-        self.softmax = self.create_child("softmax", self.p.softmax)
+        self.softmax = self.create_head("softmax", self.p.softmax, self.network)
 
     def compute_loss(self, theta: Mapping[str, Any], batch: Mapping[str, tf.Tensor],
                      ctx: FPropContext) -> tuple[tf.Tensor, Metrics]:

@@ -89,8 +89,8 @@ class TranslationTask(BaseTask):
         layers = self._checked_layers(p, self.path)
         network = p.network if p.network is not None else self.network_params(p)
         self.network = self.create_child("network", network)
-        self.softmax = self.create_child("softmax", SoftmaxCrossEntropy.params().set(
-            input_dim=p.model_dim, num_classes=p.vocab_size, label_smoothing=p.label_smoothing))
+        (name, softmax), = self.head_params(p)
+        self.softmax = self.create_head(name, softmax, self.network)
         # Global indices of the pieces in the flat list, for un-pipelined decoding; read from the list itself so
         # that a hand-edited `network` is decoded as built.
         self._e2d_index = [lp.cls for lp in layers].index(EncoderToDecoder)
@@ -122,11 +122,16 @@ class TranslationTask(BaseTask):
         return layers
 
     @classmethod
+    def head_params(cls, p: InstantiableParams) -> list[tuple[str, InstantiableParams]]:
+        """The output softmax over the target vocabulary, which `compute_loss` runs on the network's output."""
+        return [("softmax", SoftmaxCrossEntropy.params().set(input_dim=p.model_dim, num_classes=p.vocab_size,
+                                                             label_smoothing=p.label_smoothing))]
+
+    @classmethod
     def num_params(cls, p: InstantiableParams) -> int:
         """The pipeline's layers plus the softmax, from Params alone."""
-        sp = SoftmaxCrossEntropy.params().set(input_dim=p.model_dim, num_classes=p.vocab_size)
         layers = cls._checked_layers(p, p.name or "translation")
-        return sum(lp.cls.num_params(lp) for lp in layers) + sp.cls.num_params(sp)
+        return sum(lp.cls.num_params(lp) for lp in [*layers, *(hp for _, hp in cls.head_params(p))])
 
     def _network_inputs(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, ...]:
         # Paddings enter in the compute dtype, so that they travel with the activations between stages.

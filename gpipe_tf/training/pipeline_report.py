@@ -22,6 +22,7 @@ from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.schedules import schedule_name
 from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.inspection import format_memory
+from gpipe_tf.memory.head import NO_HEAD, task_head
 from gpipe_tf.memory.plan import plan_pipeline
 from gpipe_tf.training import timeline_pictures
 from gpipe_tf.training.summaries import SummaryWriter
@@ -83,12 +84,14 @@ def shared_device_warnings(task: tf.Module) -> list[str]:
     return warnings
 
 
-def memory_text(pipe: GPipe, train_params: Params | None) -> str:
-    """The pipeline's per-device memory plan as text (`memory.plan`), or one line saying why there is none."""
+def memory_text(pipe: GPipe, train_params: Params | None, task: tf.Module | None = None) -> str:
+    """The pipeline's per-device memory plan as text (`memory.plan`), with `task`'s loss head if `pipe` is its
+    network, or one line saying why there is none."""
     if train_params is None:
         return "memory: no plan (the training Params were not given)"
+    head = task_head(task.p, "task.network") if task is not None and getattr(task, "network", None) is pipe else NO_HEAD
     try:
-        return "\n".join(format_memory(plan_pipeline(pipe.p, train_params, pipe.path)))
+        return "\n".join(format_memory(plan_pipeline(pipe.p, train_params, pipe.path, head=head)))
     except ConfigError as e:
         return f"memory: no plan: {e}"
 
@@ -102,7 +105,7 @@ def write(task: tf.Module, logdir: str, writer: SummaryWriter, step: int, log: C
         return
     tables, texts, memories = [], [], []
     for pipe in pipes:
-        memories.append(memory_text(pipe, train_params))
+        memories.append(memory_text(pipe, train_params, task))
         predicted = predicted_timeline(pipe.plan, pipe.p.num_micro_batches,
                                        pipe.schedule.step_order(pipe.plan.num_devices))
         schedule = schedule_name(pipe.p.schedule)  # one name for the table and the picture

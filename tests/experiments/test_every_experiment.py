@@ -3,8 +3,8 @@
 import pytest
 
 from gpipe_tf import experiment, inspection, model_registry
+from gpipe_tf.gpipe.batch_shapes import micro_batch_shapes
 from gpipe_tf.gpipe.pipeline import find_pipelines
-from gpipe_tf.gpipe.plan import micro_batch_shapes
 
 PUBLISHED = {  # trainable parameters, no aux head ([GP], [AMB]; tolerance as in issue 5)
     "image.amoebanet.AmoebaNetB_18_512_ImageNet480": (557e6, 0.01),
@@ -31,6 +31,11 @@ def test_every_experiment_resolves_and_inspects(key):
     for _, pipe in pipelines:
         shapes, _ = micro_batch_shapes(pipe.micro_batch_shape)
         assert {s[0] * pipe.num_micro_batches for s in shapes} == {params.input.train.batch_size}
+    if report.get("memory") is not None:
+        # Every parameter of the task is on a device of the plan: the pipeline's, and the loss head's on the last
+        # chunk's device (e.g. Transformer-L_3's 65.5M-parameter softmax).
+        memory = report["memory"]
+        assert sum(d["params"] for d in memory["devices"]) == report["total_params"], memory["head"]
 
 
 def test_a_translation_pipelines_suggestion_pastes_back_and_fits():

@@ -71,3 +71,22 @@ def test_setting_the_optimizer_class_it_already_has_keeps_its_fields():
     assert resolved.params.train.optimizer.beta2 == 0.999 and "weight_decay" not in resolved.params.train.optimizer
     assert len(resolved.notes) == 1
     assert "reset: weight_decay=0.05, decay_exclude='bias'" in resolved.notes[0], resolved.notes
+
+
+def test_overriding_the_micro_batch_count_keeps_the_experiments_batch():
+    """--params task.network.num_micro_batches=M rescales the micro_batch_shape the experiment derived from its
+    batch (the memory plan sizes activations by it), with a note; an explicit shape, or a count the batch does not
+    split into, is the user's to give."""
+    key = "toy.classifier.BlobsMlpGPipe"
+    default = experiment.resolve(key).params.task.network
+    batch = default.micro_batch_shape[0] * default.num_micro_batches
+    resolved = experiment.resolve(key, overrides="task.network.num_micro_batches=8")
+    network = resolved.params.task.network
+    assert network.micro_batch_shape == [batch // 8, *default.micro_batch_shape[1:]]
+    assert any("rescaled task.network.micro_batch_shape" in note for note in resolved.notes), resolved.notes
+    explicit = experiment.resolve(key, overrides="task.network.num_micro_batches=8,"
+                                                 "task.network.micro_batch_shape=[3, 5]").params.task.network
+    assert explicit.micro_batch_shape == [3, 5]
+    with pytest.raises(ConfigError, match=r"does not split into 7; use a divisor of it, or set "
+                                          r"task\.network\.micro_batch_shape too"):
+        experiment.resolve(key, overrides="task.network.num_micro_batches=7")

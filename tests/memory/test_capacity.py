@@ -14,7 +14,7 @@ from gpipe_tf.gpipe.pipeline import find_pipelines
 
 MODEL = "mt.gpipe_paper.TransformerLTinyOffline"
 SHAPED = "task.network.micro_batch_shape=[4, 16],task.network.input_dtype='int32'"
-BUDGET = 4 * 2 ** 20
+BUDGET = 8 * 2 ** 20
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -55,8 +55,8 @@ def test_each_row_fits_and_one_more_does_not():
         assert plan["fits"] and plan["max_peak"] == row["max_peak"] and plan["params"] == row["params"]
         assert not plan_with(MODEL, "num_layers", value + 1, k, BUDGET, overrides=SHAPED)["fits"]
     assert values == sorted(values) and values[-1] > values[0], values  # more stages hold more layers
-    text = format_capacity(MODEL, "num_layers", "4MiB", rows)
-    assert text.splitlines()[0] == f"largest num_layers of {MODEL} that fits 4MiB per device (memory planner):"
+    text = format_capacity(MODEL, "num_layers", "8MiB", rows)
+    assert text.splitlines()[0] == f"largest num_layers of {MODEL} that fits 8MiB per device (memory planner):"
     assert len(text.splitlines()) == 2 + len(rows)
 
 

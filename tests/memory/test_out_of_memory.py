@@ -181,11 +181,13 @@ def test_find_message_takes_either_kind_of_out_of_memory_from_a_chain():
 
 def test_plan_warnings_name_the_devices_over_budget_and_the_change():
     from gpipe_tf import experiment
+    from gpipe_tf.memory.head import task_head
     from gpipe_tf.memory.out_of_memory import plan_warnings
     from gpipe_tf.memory.plan import plan_pipeline
 
     params, _ = experiment.resolve_params("toy.classifier.BlobsMlpGPipe")
-    plan = plan_pipeline(params.task.network, params.train, "task.network")
+    plan = plan_pipeline(params.task.network, params.train, "task.network",
+                         head=task_head(params.task, "task.network"))
     assert plan_warnings(params, plan["max_peak"], "X") == []
     budget = int(plan["max_peak"] * 0.9)
     [line] = plan_warnings(params, budget, "90%")

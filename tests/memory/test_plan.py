@@ -134,7 +134,7 @@ def test_the_task_precision_reaches_every_layer_of_the_pipeline_in_the_plan():
     inherited, _ = experiment.resolve_params(key, overrides="task.fprop_dtype=bfloat16")
     explicit = experiment.resolve_params(key)[0].copy()
     explicit.task.network.fprop_dtype = "bfloat16"
-    for layer in explicit.task.network.layers:
+    for layer in [*explicit.task.network.layers, explicit.task.softmax]:  # the loss head inherits it too
         layer.fprop_dtype = "bfloat16"
     planned = [inspection.inspect(p, overrides={})["memory"]["devices"] for p in (inherited, explicit)]
     assert planned[0] == planned[1]

@@ -1,17 +1,17 @@
 """The suggestion is right: for configurations that do not fit a budget set below their measured peak, applying the
 printed change gives a measured peak under the budget. Each stage is measured alone in a fresh process with TF's BFC
-allocator (`bench.memory_check`)."""
+allocator (`bench.isolated_memory`)."""
 
 import pytest
 
-from bench import memory_check
+from bench import isolated_memory as memory_check
 from gpipe_tf import experiment
 from gpipe_tf.memory import plan, suggest
 
-# Every case starts measuring processes through bench.memory_check, which tests/conftest.py cannot see from here.
+# Every case starts measuring processes through bench.isolated_memory, which tests/conftest.py cannot see from here.
 pytestmark = pytest.mark.slow
 
-# Three of bench.memory_check's validated configurations (predicted within 11% of measured there): the MLP at
+# Three of bench.isolated_memory's validated configurations (predicted within 11% of measured there): the MLP at
 # K=1 and at K=2, the Transformer stack with remat.
 CASES = [(c.model, c.gin, c.overrides) for c in memory_check.CONFIGS
          if c.name in ("mlp-k1-m1-never-fd", "mlp-k2-m4-never-fd", "transformer-k2-m8-always-fd")]

@@ -19,6 +19,7 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.amoebanet.conv import ConvScratch
 from gpipe_tf.layers.amoebanet.drop_path import DropPath
 from gpipe_tf.layers.amoebanet.genotypes import cell_genotype
 from gpipe_tf.layers.amoebanet.ops import ReluConvBN, op_params
@@ -28,7 +29,7 @@ from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, 
 SKIP_MODES = ("none", "same", "reduce")
 
 
-class Cell(BaseLayer):
+class Cell(ConvScratch, BaseLayer):
     """A normal or reduction cell of genotype A, B or D with `filters` (fs) channels per concatenated state."""
 
     @classmethod

@@ -68,7 +68,22 @@ def _check_common(layer: str, p: InstantiableParams) -> None:
         raise ParamsError(f"{layer}: kernel_size and stride must be >= 1, got {p.kernel_size} and {p.stride}")
 
 
-class Conv2D(BaseLayer):
+# TensorFlow 2.21's CPU kernels for a convolution's gradients (Conv2DBackpropInput, Conv2DBackpropFilter) each
+# allocate a 32 MiB scratch buffer in a single-thread worker at the sizes measured (`python -m bench.step_memory
+# --at_peak` on AmoebaNet stages: docs/memory.md). The planner counts one: ops run one at a time on a device.
+CONV_SCRATCH_BYTES = 32 * 2 ** 20
+
+
+class ConvScratch:
+    """Mixin of the layers that run a full 2-D convolution: their backward pass holds CONV_SCRATCH_BYTES."""
+
+    @classmethod
+    def scratch_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """One convolution gradient's scratch buffer (CONV_SCRATCH_BYTES)."""
+        return CONV_SCRATCH_BYTES
+
+
+class Conv2D(ConvScratch, BaseLayer):
     """A 2-D convolution, kernel [kh, kw, input_dim, output_dim], no bias by default."""
 
     @classmethod

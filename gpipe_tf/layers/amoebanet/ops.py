@@ -11,14 +11,14 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.amoebanet.conv import Conv2D, DepthwiseConv2D, as_pair, check_channels, output_hw
+from gpipe_tf.layers.amoebanet.conv import Conv2D, ConvScratch, DepthwiseConv2D, as_pair, check_channels, output_hw
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 from gpipe_tf.layers.batch_norm import BatchNorm
 
 OP_NAMES = ("sep3", "sep5", "sep7", "dil2sep5", "c1x7_7x1", "c3x3", "c1x1", "id", "avg3", "max3", "max2")
 
 
-class ReluConvBN(BaseLayer):
+class ReluConvBN(ConvScratch, BaseLayer):
     """[ReLU ->] conv (kernel, stride) -> batch norm: c1x1, a projecting id, and the cells' input 1x1s."""
 
     @classmethod
@@ -110,7 +110,7 @@ def _chain_flops(parts: list[tuple[type, InstantiableParams]], input_spec: tf.Te
     return total
 
 
-class SepConv(BaseLayer):
+class SepConv(ConvScratch, BaseLayer):
     """sepK: two repeats of [ReLU -> depthwise KxK -> pointwise 1x1 to output_dim -> BN]; stride in the first."""
 
     @classmethod
@@ -199,7 +199,7 @@ class SepConv(BaseLayer):
         return op_activation_bytes(cls, p, input_spec)
 
 
-class Bottleneck(BaseLayer):
+class Bottleneck(ConvScratch, BaseLayer):
     """c1x7_7x1 and c3x3: ReLU-conv-BN units 1x1 to fs/4, then each kernel in `kernels`, then 1x1 to fs.
 
     Each middle kernel strides along the axes where it is longer than 1: 1x7 has stride (1, s), 7x1 has (s, 1) and
@@ -282,7 +282,7 @@ class Bottleneck(BaseLayer):
         return op_activation_bytes(cls, p, input_spec)
 
 
-class Pool(BaseLayer):
+class Pool(ConvScratch, BaseLayer):
     """avg3, max3, max2: SAME pooling (averages exclude the padding), then 1x1 conv + BN if channels change."""
 
     KINDS = ("avg", "max")

@@ -8,12 +8,12 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers.amoebanet.conv import Conv2D, check_channels, output_hw
+from gpipe_tf.layers.amoebanet.conv import Conv2D, ConvScratch, check_channels, output_hw
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements
 from gpipe_tf.layers.batch_norm import BatchNorm
 
 
-class FactorizedReduction(BaseLayer):
+class FactorizedReduction(ConvScratch, BaseLayer):
     """[ReLU ->] two 1x1 convs to output_dim / 2 on two pixel grids offset by one, concatenated, then BN.
 
     Path 1 subsamples with stride 2; path 2 first shifts the image by one pixel (pad bottom and right, drop the

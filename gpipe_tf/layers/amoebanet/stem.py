@@ -8,12 +8,12 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams
-from gpipe_tf.layers.amoebanet.conv import Conv2D
+from gpipe_tf.layers.amoebanet.conv import CONV_SCRATCH_BYTES, Conv2D, ConvScratch
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.layers.batch_norm import BatchNorm
 
 
-class ConvStem(BaseLayer):
+class ConvStem(ConvScratch, BaseLayer):
     """3x3 conv (stride 2 for ImageNet, 1 for CIFAR; VALID, no bias) -> BN, output (x, x).
 
     Cells consume and produce (h[i-1], h[i-2]). The first cell has no h[i-2] (its skip_mode is 'none' and it
@@ -28,6 +28,12 @@ class ConvStem(BaseLayer):
         p.define("filters", 32, "Output channels.")
         p.define("stride", 2, "Stride of the 3x3 conv: 2 for the ImageNet stem, 1 for the CIFAR one.")
         return p
+
+    @classmethod
+    def scratch_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Half a convolution's scratch: the stem's filter gradient, over few input channels, took 16 MiB where
+        the cells' took 32 (`conv.CONV_SCRATCH_BYTES`; measured with `bench.step_memory --at_peak`)."""
+        return CONV_SCRATCH_BYTES // 2
 
     @classmethod
     def _conv(cls, p: InstantiableParams) -> InstantiableParams:

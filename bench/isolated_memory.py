@@ -1,7 +1,11 @@
-"""Predicted vs measured peak memory of each pipeline stage, one fresh process per stage and configuration.
+"""Predicted vs measured peak memory of each pipeline stage run alone, one fresh process per stage: the second view.
 
-  python -m bench.memory_check            # the validation table (docs/memory.md): 9 configurations
-  python -m bench.memory_check --only mlp-k2-m4-never-fd
+  python -m bench.isolated_memory            # 9 configurations, each stage alone
+  python -m bench.isolated_memory --only mlp-k2-m4-never-fd
+
+`bench.memory_check` is the validation: whole pipelined training steps on faithful devices. This view isolates
+one stage's layers and the planner's stage model (`gpipe_tf.memory.stage`) from the schedule, the loss head and
+the trainer's step around them, which is where to look first when a whole-step figure is off.
 
 How a stage is isolated: its layers alone, as a one-stage GPipe (the pipeline's own schedule code) over as many
 micro-batches as the configured schedule stashes on that stage (M for fill-drain, min(M, K - k) for 1F1B), each
@@ -187,7 +191,7 @@ def measure_configs(jobs: list[dict[str, Any]]) -> list[list[dict[str, int]]]:
 def measure_in_fresh_process(jobs: list[dict[str, Any]]) -> list[list[dict[str, int]]]:
     """`measure_configs` in a fresh Python process with TensorFlow's BFC allocator (the module doc)."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="2")
-    args = [sys.executable, "-m", "bench.memory_check", "--measure", json.dumps(jobs)]
+    args = [sys.executable, "-m", "bench.isolated_memory", "--measure", json.dumps(jobs)]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise RuntimeError(f"measuring {jobs} failed:\n{done.stderr[-3000:]}")
@@ -196,7 +200,7 @@ def measure_in_fresh_process(jobs: list[dict[str, Any]]) -> list[list[dict[str, 
 
 def _run_child(config: Config, stage: int) -> dict[str, int]:
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="1", TF_CPP_MIN_LOG_LEVEL="2")
-    args = [sys.executable, "-m", "bench.memory_check", "--child",
+    args = [sys.executable, "-m", "bench.isolated_memory", "--child",
             json.dumps({"model": config.model, "gin": config.gin, "overrides": config.overrides, "stage": stage})]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:

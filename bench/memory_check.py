@@ -1,0 +1,142 @@
+"""The memory planner against whole pipelined training steps on faithful devices: every device's predicted and
+measured peak, for configurations spanning the families, schedules, remat policies, optimizers and precisions.
+
+  python -m bench.memory_check                       # the validation table (docs/memory.md)
+  python -m bench.memory_check --only mlp-k2-m4-fd-never-adam-f32,amoebanet-k2-m4-fd-always-rmsprop-f32
+  python -m bench.memory_check --list
+
+Each configuration runs in a fresh process (`bench.step_memory`): K single-thread TensorFlow workers, stage k on
+worker k, the trainer's own train step on the experiment's input, each worker's BFC allocator read from inside
+the worker. The prediction is the planner's (`gpipe_tf.memory.plan.plan_pipeline`, the loss head included).
+error = predicted / measured - 1; the planner's bound is within 10% and never more than 5% under.
+
+TensorFlow's own CPU kernels run (`TF_ENABLE_ONEDNN_OPTS=0` unless the environment sets it): oneDNN's kernels on a
+CPU without AVX-512 hold scratch memory of their own in convolutions (docs/memory.md says how much), which belongs
+to that kernel library, not to the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+TOLERANCE = 0.10  # |error| bound
+UNDER = 0.05  # the most a prediction may be under
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One configuration: an experiment, gin bindings for its size, and the Params overrides of its setting."""
+
+    name: str
+    model: str
+    gin: tuple[str, ...]
+    overrides: str
+
+
+_MLP = ("toy.classifier.BlobsMlpGPipe", ("BlobsMlpGPipe.hidden_dims=(512, 512, 512, 512)",
+                                         "BlobsMlpGPipe.input_dim=512", "BlobsMlpGPipe.dropout_rate=0.0",
+                                         "BlobsMlpGPipe.batch_size=256"))
+_TRANSFORMER = ("mt.gpipe_paper.TransformerLTinyOffline", (
+    "TransformerLTinyOffline.num_layers=4", "TransformerLTinyOffline.model_dim=128",
+    "TransformerLTinyOffline.hidden_dim=512", "TransformerLTinyOffline.max_length=64",
+    "TransformerLTinyOffline.vocab_size=2048", "TransformerLTinyOffline.batch_size=32"))
+_AMOEBA = ("image.amoebanet.AmoebaNetTinyOffline", ("AmoebaNetTinyOffline.image_size=32",
+                                                   "AmoebaNetTinyOffline.batch_size=32"))
+_FAMILIES = {"mlp": _MLP, "transformer": _TRANSFORMER, "amoebanet": _AMOEBA}
+_SCHEDULES = {"fd": "fill_drain", "unrolled": "unrolled", "1f1b": "one_f_one_b", "interleaved": "interleaved",
+              "zb": "zero_bubble", "zbv": "zero_bubble_v"}
+_OPTIMIZERS = {
+    "sgd": "train.optimizer=gpipe_tf.training.optimizers.SGD",
+    "momentum": "train.optimizer=gpipe_tf.training.optimizers.SGD,train.optimizer.momentum=0.9",
+    "rmsprop": "train.optimizer=gpipe_tf.training.optimizers.RMSProp",
+    "adam": "train.optimizer=gpipe_tf.training.optimizers.Adam",
+    "adamw": "train.optimizer=gpipe_tf.training.optimizers.AdamW",
+    "adafactor": "train.optimizer=gpipe_tf.training.adafactor.Adafactor",
+}
+
+
+def config(family: str, k: int, m: int, schedule: str, remat: str, optimizer: str, dtype: str) -> Config:
+    """The configuration named `{family}-k{K}-m{M}-{schedule}-{remat}-{optimizer}-{f32|bf16}`; a schedule ending
+    in "+w" batches its weight gradients."""
+    model, gin = _FAMILIES[family]
+    batched = schedule.endswith("+w")
+    parts = [f"task.network.num_stages={k}", f"task.network.num_micro_batches={m}",
+             f"task.network.remat='{remat}'", f"task.network.schedule={_SCHEDULES[schedule.rstrip('+w')]}"]
+    if batched:
+        parts.append("task.network.schedule.batch_weight_gradients=True")
+    parts.append(_OPTIMIZERS[optimizer])
+    if dtype == "bf16":
+        parts.append("task.fprop_dtype=bfloat16")
+    name = f"{family}-k{k}-m{m}-{schedule}-{remat}-{optimizer}-{dtype}"
+    return Config(name, model, gin, ",".join(parts))
+
+
+CONFIGS = [
+    config("mlp", 2, 4, "fd", "never", "adam", "f32"),
+    config("mlp", 4, 8, "1f1b", "always", "sgd", "f32"),
+    config("mlp", 2, 8, "unrolled", "never", "momentum", "bf16"),
+    config("mlp", 2, 4, "zb", "never", "rmsprop", "f32"),
+    config("mlp", 2, 8, "zb+w", "never", "adamw", "f32"),
+    config("mlp", 2, 8, "zbv", "always", "adafactor", "f32"),
+    config("transformer", 4, 8, "1f1b", "never", "adam", "f32"),
+    config("transformer", 2, 8, "fd", "always", "adam", "bf16"),
+    config("transformer", 2, 4, "interleaved", "never", "adamw", "f32"),
+    config("transformer", 2, 8, "zbv+w", "never", "adam", "f32"),
+    config("transformer", 3, 4, "unrolled", "always", "adafactor", "f32"),
+    config("amoebanet", 2, 4, "fd", "always", "rmsprop", "f32"),
+    config("amoebanet", 4, 8, "1f1b", "never", "momentum", "f32"),
+    config("amoebanet", 2, 4, "interleaved", "never", "adam", "bf16"),
+]
+
+
+def check(configs: list[Config], log: bool = True) -> list[dict]:
+    """Measures each configuration (a fresh process each) and prints one row per device as it goes; returns
+    [{"config", "device", "predicted", "measured", "error"}]."""
+    from bench import step_memory
+
+    rows = []
+    if log:
+        print(f"{'configuration':<45} {'device':>6} {'stash':>5} {'predicted MiB':>13} {'measured MiB':>12} "
+              f"{'error':>7}", flush=True)
+    for c in configs:
+        result = step_memory.measure_in_fresh_process(c.model, c.gin, c.overrides)
+        for d, (predicted, measured) in enumerate(zip(result["predicted"], result["measured"])):
+            row = {"config": c.name, "device": d, "predicted": predicted, "measured": measured,
+                   "error": predicted / measured - 1,
+                   "stashed": result["plan"]["devices"][d]["stashed_micro_batches"]}
+            rows.append(row)
+            if log:
+                print(f"{c.name:<45} {d:>6} {row['stashed']:>5} {predicted / 2 ** 20:>13.2f} "
+                      f"{measured / 2 ** 20:>12.2f} {row['error']:>+7.1%}", flush=True)
+    return rows
+
+
+def main() -> None:
+    """Prints the table, then the largest error and how many devices are outside the bound."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="", help="Comma-separated configuration names (default: all).")
+    parser.add_argument("--list", action="store_true", help="Print the configurations and their overrides.")
+    args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(names) - {c.name for c in CONFIGS})
+    if unknown:
+        parser.error(f"--only: unknown configuration(s) {unknown}; --list prints the names")
+    chosen = [c for c in CONFIGS if not names or c.name in names]
+    if args.list:
+        for c in chosen:
+            print(f"{c.name}: --model={c.model} --gin_param={' --gin_param='.join(c.gin)} --params={c.overrides}")
+        return
+    rows = check(chosen)
+    outside = [r for r in rows if abs(r["error"]) > TOLERANCE or r["error"] < -UNDER]
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    print(f"largest error: {worst['error']:+.1%} ({worst['config']} device {worst['device']}); "
+          f"{len(outside)} of {len(rows)} devices outside [-{UNDER:.0%}, +{TOLERANCE:.0%}]")
+
+
+if __name__ == "__main__":
+    main()

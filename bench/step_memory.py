@@ -1,0 +1,157 @@
+"""Each device's peak memory in whole pipelined training steps on faithful devices: what the trainer runs.
+
+K single-thread TensorFlow workers on 127.0.0.1 (`gpipe_tf.workers.LocalWorkers`), stage k on worker k, each with
+TensorFlow's BFC allocator on its CPU. The client builds the experiment's task and the trainer's own `Learner`
+(its `train_step`: the pipeline's schedule, the loss head, gradient clipping, the finiteness checks, the optimizer
+update) and runs it on a batch of the experiment's own training input. The client cannot read a remote device's
+allocator, so each worker reads its own and answers over a small socket (`LocalWorkers(memory=True)`).
+
+measured, per worker = the worker's allocator peak during the last of `steps` steps (after `reset_memory_stats`)
+minus the bytes it held before the task was built. The earlier steps warm up: they create the optimizer's slots and
+the workers' functions. Everything the worker holds counts: its stages' variables and slots, the micro-batches it
+receives, the schedule's stashes, the head's work on the last stage, and what TensorFlow keeps between steps there.
+
+One configuration per fresh process (`measure_in_fresh_process`): a client connects to one cluster once.
+
+What holds a worker's peak: `--at_peak` also traces a step with the TensorFlow profiler on every worker and lists
+the allocations alive at the moment its allocator held the most, grouped by the op that made them:
+
+  python -m bench.step_memory --model=image.amoebanet.AmoebaNetTinyOffline --at_peak \
+      --params="task.network.num_stages=2,task.network.remat='always'"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 3,
+                 at_peak: bool = False) -> dict[str, Any]:
+    """Runs `steps` training steps of the configured experiment on faithful devices in this process (the module
+    doc); {"measured": [bytes per device], "predicted": [the plan's peak per device], "plan": the plan}, and with
+    `at_peak` "at_peak": [per device, `peak_allocations` of one more traced step].
+
+    Call it once per process: the client connects to its workers' cluster for good.
+    """
+    import tensorflow as tf
+
+    from gpipe_tf import experiment, workers
+    from gpipe_tf.gpipe import placement
+    from gpipe_tf.gpipe.pipeline import find_pipelines
+    from gpipe_tf.memory.head import task_head
+    from gpipe_tf.memory.plan import plan_pipeline
+    from gpipe_tf.training.learner import Learner
+
+    params, _ = experiment.resolve_params(model, gin_bindings=list(gin), overrides=overrides)
+    pipe = dict(find_pipelines(params.task))["task.network"]
+    plan = plan_pipeline(pipe, params.train, head=task_head(params.task, "task.network"))
+    k = plan["num_devices"]
+    with workers.LocalWorkers(k, memory=True, profiler=at_peak) as cluster:
+        workers.connect(cluster.spec)
+        placement.set_auto_kind("workers")
+        before = [cluster.memory_info(t)["current"] for t in range(k)]
+        task = params.task.instantiate()
+        learner = Learner(task, params.train)
+        batch = next(iter(params.input.train.instantiate().dataset()))
+        for _ in range(steps - 1):
+            float(learner.train_step(batch, tf.constant(False))["loss"])
+        for t in range(k):
+            cluster.reset_memory_stats(t)
+        float(learner.train_step(batch, tf.constant(False))["loss"])  # waits for the step
+        measured = [cluster.memory_info(t)["peak"] - before[t] for t in range(k)]
+        result = {"measured": measured, "predicted": [row["peak"] for row in plan["devices"]], "plan": plan}
+        if at_peak:
+            from bench import op_breakdown
+
+            def step() -> None:
+                float(learner.train_step(batch, tf.constant(False))["loss"])
+
+            with op_breakdown.worker_traces(cluster.profiler_addresses, step, 3000, 0.5) as paths:
+                result["at_peak"] = [peak_allocations(path) for path in paths]
+    return result
+
+
+def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
+    """The allocations alive when the allocator of one worker's profiler trace (`*.xplane.pb`) held the most:
+    {"peak": bytes, "by_op": [[bytes, count, op name, kind], ...] largest first, `top` of them} (kind: "output"
+    for an op's result, "temp" for its scratch memory)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    with open(trace_path, "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        names = {i: m.name for i, m in plane.stat_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                kind = plane.event_metadata[event.metadata_id].name
+                if kind in ("MemoryAllocation", "MemoryDeallocation"):
+                    stats = {names.get(st.metadata_id): st.str_value or names.get(st.ref_value) or st.int64_value
+                             or st.uint64_value for st in event.stats}
+                    events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation", stats))
+    live: dict[Any, tuple[int, str, str]] = {}
+    peak, at_peak = 0, {}
+    for _, allocation, stats in sorted(events, key=lambda e: e[0]):
+        if allocation:
+            live[stats.get("addr")] = (int(stats.get("allocation_bytes") or 0), str(stats.get("tf_op") or "?"),
+                                       str(stats.get("region_type") or "?"))
+        else:
+            live.pop(stats.get("addr"), None)
+        if int(stats.get("bytes_allocated") or 0) > peak:
+            peak, at_peak = int(stats.get("bytes_allocated") or 0), dict(live)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for size, op, kind in at_peak.values():
+        group = groups.setdefault((op, kind), [0, 0])
+        group[0] += size
+        group[1] += 1
+    ranked = sorted(([b, n, op, kind] for (op, kind), (b, n) in groups.items()), reverse=True)
+    return {"peak": peak, "by_op": ranked[:top]}
+
+
+def measure_in_fresh_process(model: str, gin: Sequence[str], overrides: str, steps: int = 3,
+                             timeout: float = 1800) -> dict[str, Any]:
+    """`measure_step` in a fresh Python process; raises RuntimeError with its stderr's tail if it fails."""
+    job = json.dumps({"model": model, "gin": list(gin), "overrides": overrides, "steps": steps})
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-m", "bench.step_memory", job], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"measuring {model} with {overrides!r} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    """One configuration from flags: each device's predicted and measured peak, and with --at_peak what holds it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="Registry key of the experiment.")
+    parser.add_argument("--gin_param", action="append", default=[], help="A gin binding; repeatable.")
+    parser.add_argument("--params", default="", help="Params overrides, as the trainer's --params.")
+    parser.add_argument("--steps", type=int, default=3, help="Steps; the last is measured (default 3).")
+    parser.add_argument("--at_peak", action="store_true", help="List the allocations alive at each peak.")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps={args.steps}: at least 2 (the first step warms up)")
+    result = measure_step(args.model, args.gin_param, args.params, args.steps, args.at_peak)
+    for d, (predicted, measured) in enumerate(zip(result["predicted"], result["measured"])):
+        print(f"device {d}: predicted {predicted / 2 ** 20:.2f} MiB, measured {measured / 2 ** 20:.2f} MiB "
+              f"({predicted / measured - 1:+.1%})")
+        for size, count, op, kind in result.get("at_peak", [{}] * (d + 1))[d].get("by_op", []):
+            print(f"  {size / 2 ** 20:9.2f} MiB x{count:<4} {kind:<6} {op}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):  # measure_in_fresh_process's job
+        _job = json.loads(sys.argv[1])
+        print(json.dumps(measure_step(_job["model"], _job["gin"], _job["overrides"], _job["steps"])))
+    else:
+        main()

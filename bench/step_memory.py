@@ -6,9 +6,11 @@ TensorFlow's BFC allocator on its CPU. The client builds the experiment's task a
 update) and runs it on a batch of the experiment's own training input. The client cannot read a remote device's
 allocator, so each worker reads its own and answers over a small socket (`LocalWorkers(memory=True)`).
 
-measured, per worker = the worker's allocator peak during the last of `steps` steps (after `reset_memory_stats`)
-minus the bytes it held before the task was built. The earlier steps warm up: they create the optimizer's slots and
-the workers' functions. Everything the worker holds counts: its stages' variables and slots, the micro-batches it
+measured, per worker = the worker's allocator peak over every step but the first (after `reset_memory_stats`)
+minus the bytes it held before the task was built. The first step warms up: it creates the optimizer's slots and
+the workers' functions. A step's peak moves from step to step with the order in which a worker's executor runs
+independent ops (by up to a quarter on these small configurations), and a device must hold the largest: hence the
+largest over several steps. Everything the worker holds counts: its stages' variables and slots, the micro-batches it
 receives, the schedule's stashes, the head's work on the last stage, and what TensorFlow keeps between steps there.
 
 One configuration per fresh process (`measure_in_fresh_process`): a client connects to one cluster once.
@@ -32,7 +34,7 @@ from typing import Any
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 3,
+def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
                  at_peak: bool = False) -> dict[str, Any]:
     """Runs `steps` training steps of the configured experiment on faithful devices in this process (the module
     doc); {"measured": [bytes per device], "predicted": [the plan's peak per device], "plan": the plan}, and with
@@ -60,11 +62,11 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 3,
         task = params.task.instantiate()
         learner = Learner(task, params.train)
         batch = next(iter(params.input.train.instantiate().dataset()))
-        for _ in range(steps - 1):
-            float(learner.train_step(batch, tf.constant(False))["loss"])
+        float(learner.train_step(batch, tf.constant(False))["loss"])  # waits for the step
         for t in range(k):
             cluster.reset_memory_stats(t)
-        float(learner.train_step(batch, tf.constant(False))["loss"])  # waits for the step
+        for _ in range(steps - 1):
+            float(learner.train_step(batch, tf.constant(False))["loss"])
         measured = [cluster.memory_info(t)["peak"] - before[t] for t in range(k)]
         result = {"measured": measured, "predicted": [row["peak"] for row in plan["devices"]], "plan": plan}
         if at_peak:
@@ -116,7 +118,7 @@ def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
     return {"peak": peak, "by_op": ranked[:top]}
 
 
-def measure_in_fresh_process(model: str, gin: Sequence[str], overrides: str, steps: int = 3,
+def measure_in_fresh_process(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
                              timeout: float = 1800) -> dict[str, Any]:
     """`measure_step` in a fresh Python process; raises RuntimeError with its stderr's tail if it fails."""
     job = json.dumps({"model": model, "gin": list(gin), "overrides": overrides, "steps": steps})
@@ -136,7 +138,8 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="Registry key of the experiment.")
     parser.add_argument("--gin_param", action="append", default=[], help="A gin binding; repeatable.")
     parser.add_argument("--params", default="", help="Params overrides, as the trainer's --params.")
-    parser.add_argument("--steps", type=int, default=3, help="Steps; the last is measured (default 3).")
+    parser.add_argument("--steps", type=int, default=6, help="Steps; the largest peak of all but the first is "
+                        "measured (default 6).")
     parser.add_argument("--at_peak", action="store_true", help="List the allocations alive at each peak.")
     args = parser.parse_args()
     if args.steps < 2:

@@ -194,7 +194,8 @@ def _serve(spec_json: str, task: int, threads: int, profiler_port: int = 0, memo
     server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec_json)), job_name=JOB, task_index=task,
                                   config=config, start=True)
     if memory_port:
-        # The process-wide CPU allocator, which the server's device uses too (docs/memory.md#checked-against-measured-peaks).
+        # The process-wide CPU allocator, which the server's device uses too
+        # (docs/memory.md#checked-against-measured-peaks).
         threading.Thread(target=_memory_channel, args=(memory_port,), daemon=True).start()
     server.join()
 

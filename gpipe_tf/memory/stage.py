@@ -62,7 +62,9 @@ class StageMemory:
 
     @property
     def peak(self) -> int:
-        """Predicted peak bytes: what persists, plus the larger of the backward pass's and the update's needs."""
+        """Predicted peak bytes: what persists, plus the larger of the backward pass's and the update's needs. The
+        loss head's tensors count as alive with the stage's backward working memory: its weight gradient's matmul
+        still reads the logits' gradient when the stage's backward may start."""
         backward = self.stashed_activations + self.recompute + self.backward_working + self.loss_head
         return (self.weights + self.gradient_sums + self.optimizer_slots + self.ema + self.boundary_buffers
                 + max(backward, self.optimizer_update))

@@ -1,22 +1,44 @@
 """How many micro-batches' stashes each chunk holds at once, read from the schedule's own order data
-(`gpipe.orders.ScheduleOrder`): the loop that runs the schedule holds exactly what its order allows."""
+(`gpipe.orders.ScheduleOrder`): the loop that runs the schedule holds exactly what its order allows, and a device
+holds the most when the sum over its chunks is largest, which need not be when each chunk holds its own most."""
 
 from __future__ import annotations
 
-from gpipe_tf.gpipe.orders import ScheduleOrder
+from gpipe_tf.gpipe import timeline
+from gpipe_tf.gpipe.orders import FORWARD, ScheduleOrder
 
 
 def stashed_micro_batches(order: ScheduleOrder, num_micro_batches: int) -> list[int]:
-    """Micro-batches each of the v*K chunks holds stashed at its peak (forward done, backward not).
+    """Micro-batches each of the v*K chunks holds stashed (forward done; backward, and for split orders the weight
+    gradients, not) at its device's busiest moment.
 
-    No in-flight bound (FillDrain, Unrolled: every forward before any backward): M on every chunk. A window w
-    (1F1B: K - c; Interleaved: vK - c): min(M, w). With a weight window u (zero bubble), a chunk also keeps the
-    stashes of up to u micro-batches whose input gradient ran and whose weight gradients wait: min(M, w + u).
-    Batched weight gradients wait for the last backward: M (counted as whole stashes, an upper bound: what waits
-    is the matmuls' inputs and output gradients).
+    No in-flight bound (FillDrain, Unrolled: every forward before any backward), or weight gradients batched
+    after the last backward: M on every chunk. Otherwise from one simulated step of the order
+    (`timeline.predict`, equal costs, W right after its B as the windowed loop runs it): at the end of each
+    forward on a device, the micro-batches each of its chunks holds; the moment its chunks hold the most in all
+    gives each chunk's count. With one chunk per device that is the window, min(M, w) (1F1B and zero bubble:
+    K - k; a zero-bubble loop runs W(c, i) as soon as B(c, i), so no stash waits for its weight gradients); a V's
+    two chunks never hold their maxima together.
     """
     m = num_micro_batches
     if order.in_flight is None or order.batched_weights:
         return [m] * order.num_chunks
-    waiting = order.weight_window or (0,) * order.num_chunks
-    return [min(m, w + u) for w, u in zip(order.in_flight, waiting)]
+    step = timeline.predict(order, m)
+    spans: dict[tuple[int, int], list[float]] = {}  # (chunk, micro-batch) -> [forward end, last backward end]
+    for cell in step.cells:
+        span = spans.setdefault((step.chunk(cell), cell.micro_batch), [0.0, 0.0])
+        if cell.phase == FORWARD:
+            span[0] = cell.end
+        else:
+            span[1] = max(span[1], cell.end)
+    counts = [0] * order.num_chunks
+    for device in range(order.num_devices):
+        chunks = [c for c in range(order.num_chunks) if order.device(c) == device]
+        best: list[int] = []
+        for at in sorted({spans[(c, i)][0] for c in chunks for i in range(m)}):
+            held = [sum(1 for i in range(m) if spans[(c, i)][0] <= at < spans[(c, i)][1]) for c in chunks]
+            if sum(held) > sum(best):
+                best = held
+        for c, n in zip(chunks, best):
+            counts[c] = n
+    return counts

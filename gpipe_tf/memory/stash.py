@@ -4,6 +4,8 @@ holds the most when the sum over its chunks is largest, which need not be when e
 
 from __future__ import annotations
 
+import functools
+
 from gpipe_tf.gpipe import timeline
 from gpipe_tf.gpipe.orders import FORWARD, ScheduleOrder
 
@@ -20,9 +22,15 @@ def stashed_micro_batches(order: ScheduleOrder, num_micro_batches: int) -> list[
     K - k; a zero-bubble loop runs W(c, i) as soon as B(c, i), so no stash waits for its weight gradients); a V's
     two chunks never hold their maxima together.
     """
+    return list(_stashed(order, num_micro_batches))
+
+
+@functools.lru_cache(maxsize=256)  # a capacity search or a suggestion plans the same order many times
+def _stashed(order: ScheduleOrder, num_micro_batches: int) -> tuple[int, ...]:
+    """`stashed_micro_batches`, cached by order and M."""
     m = num_micro_batches
     if order.in_flight is None or order.batched_weights:
-        return [m] * order.num_chunks
+        return (m,) * order.num_chunks
     step = timeline.predict(order, m)
     spans: dict[tuple[int, int], list[float]] = {}  # (chunk, micro-batch) -> [forward end, last backward end]
     for cell in step.cells:
@@ -33,12 +41,15 @@ def stashed_micro_batches(order: ScheduleOrder, num_micro_batches: int) -> list[
             span[1] = max(span[1], cell.end)
     counts = [0] * order.num_chunks
     for device in range(order.num_devices):
-        chunks = [c for c in range(order.num_chunks) if order.device(c) == device]
-        best: list[int] = []
-        for at in sorted({spans[(c, i)][0] for c in chunks for i in range(m)}):
-            held = [sum(1 for i in range(m) if spans[(c, i)][0] <= at < spans[(c, i)][1]) for c in chunks]
-            if sum(held) > sum(best):
-                best = held
-        for c, n in zip(chunks, best):
+        # A sweep over the device's stash lifetimes: at a shared instant a stash ends before another begins.
+        events = sorted((at, begins, c) for c in range(order.num_chunks) if order.device(c) == device
+                        for i in range(m) for at, begins in ((spans[(c, i)][0], 1), (spans[(c, i)][1], 0)))
+        held: dict[int, int] = {}
+        best, most = dict(held), 0
+        for _, begins, c in events:
+            held[c] = held.get(c, 0) + (1 if begins else -1)
+            if begins and sum(held.values()) > most:
+                best, most = dict(held), sum(held.values())
+        for c, n in best.items():
             counts[c] = n
-    return counts
+    return tuple(counts)

@@ -18,24 +18,14 @@ to that kernel library, not to the model.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
+from bench.isolated_memory import Config
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 TOLERANCE = 0.10  # |error| bound
 UNDER = 0.05  # the most a prediction may be under
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One configuration: an experiment, gin bindings for its size, and the Params overrides of its setting."""
-
-    name: str
-    model: str
-    gin: tuple[str, ...]
-    overrides: str
 
 
 _MLP = ("toy.classifier.BlobsMlpGPipe", ("BlobsMlpGPipe.hidden_dims=(512, 512, 512, 512)",
@@ -99,12 +89,14 @@ def check(configs: list[Config], log: bool = True) -> list[dict]:
     [{"config", "device", "predicted", "measured", "error"}]."""
     from bench import step_memory
 
+    # TensorFlow's own kernels unless the environment chooses (the module doc says why).
+    kernels = {"TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "0")}
     rows = []
     if log:
         print(f"{'configuration':<45} {'device':>6} {'stash':>5} {'predicted MiB':>13} {'measured MiB':>12} "
               f"{'error':>7}", flush=True)
     for c in configs:
-        result = step_memory.measure_in_fresh_process(c.model, c.gin, c.overrides)
+        result = step_memory.measure_in_fresh_process(c.model, c.gin, c.overrides, env=kernels)
         for d, (predicted, measured) in enumerate(zip(result["predicted"], result["measured"])):
             row = {"config": c.name, "device": d, "predicted": predicted, "measured": measured,
                    "error": predicted / measured - 1,

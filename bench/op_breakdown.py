@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 CATEGORIES = ("matmul", "attention", "normalization", "elementwise", "transfer", "idle")
 
@@ -61,13 +62,19 @@ def _trace_files(logdir: str) -> list[str]:
 Event = tuple[float, float, str, str]
 
 
-def read_events(path: str) -> list[Event]:
-    """The ops run on the executor threads in one `*.xplane.pb` trace file, sorted by start."""
+def read_space(path: str) -> Any:
+    """The profiler's XSpace protobuf in one `*.xplane.pb` trace file."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     space = xplane_pb2.XSpace()
     with open(path, "rb") as f:
         space.ParseFromString(f.read())
+    return space
+
+
+def read_events(path: str) -> list[Event]:
+    """The ops run on the executor threads in one `*.xplane.pb` trace file, sorted by start."""
+    space = read_space(path)
     events = []
     for plane in space.planes:
         for line in plane.lines:

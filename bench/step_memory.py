@@ -28,7 +28,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -62,18 +62,19 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
         task = params.task.instantiate()
         learner = Learner(task, params.train)
         batch = next(iter(params.input.train.instantiate().dataset()))
-        float(learner.train_step(batch, tf.constant(False))["loss"])  # waits for the step
+
+        def step() -> None:
+            float(learner.train_step(batch, tf.constant(False))["loss"])  # float(): waits for the step
+
+        step()
         for t in range(k):
             cluster.reset_memory_stats(t)
         for _ in range(steps - 1):
-            float(learner.train_step(batch, tf.constant(False))["loss"])
+            step()
         measured = [cluster.memory_info(t)["peak"] - before[t] for t in range(k)]
         result = {"measured": measured, "predicted": [row["peak"] for row in plan["devices"]], "plan": plan}
         if at_peak:
             from bench import op_breakdown
-
-            def step() -> None:
-                float(learner.train_step(batch, tf.constant(False))["loss"])
 
             with op_breakdown.worker_traces(cluster.profiler_addresses, step, 3000, 0.5) as paths:
                 result["at_peak"] = [peak_allocations(path) for path in paths]
@@ -84,11 +85,9 @@ def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
     """The allocations alive when the allocator of one worker's profiler trace (`*.xplane.pb`) held the most:
     {"peak": bytes, "by_op": [[bytes, count, op name, kind], ...] largest first, `top` of them} (kind: "output"
     for an op's result, "temp" for its scratch memory)."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    from bench.op_breakdown import read_space
 
-    space = xplane_pb2.XSpace()
-    with open(trace_path, "rb") as f:
-        space.ParseFromString(f.read())
+    space = read_space(trace_path)
     events = []
     for plane in space.planes:
         names = {i: m.name for i, m in plane.stat_metadata.items()}
@@ -119,10 +118,11 @@ def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
 
 
 def measure_in_fresh_process(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
-                             timeout: float = 1800) -> dict[str, Any]:
-    """`measure_step` in a fresh Python process; raises RuntimeError with its stderr's tail if it fails."""
+                             timeout: float = 1800, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`measure_step` in a fresh Python process, with `env` added to this one's environment (its workers inherit
+    it); raises RuntimeError with its stderr's tail if it fails."""
     job = json.dumps({"model": model, "gin": list(gin), "overrides": overrides, "steps": steps})
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     done = subprocess.run([sys.executable, "-m", "bench.step_memory", job], env=env, capture_output=True, text=True,
                           timeout=timeout)
     if done.returncode:

@@ -21,7 +21,7 @@ import gin
 
 from gpipe_tf import model_registry
 from gpipe_tf.errors import ConfigError
-from gpipe_tf.gpipe.batch_shapes import micro_batch_shapes, rescaled_micro_batch_shape
+from gpipe_tf.gpipe.batch_shapes import batch_rows, rescaled_micro_batch_shape
 from gpipe_tf.hyperparams import InstantiableParams, Params, parse_overrides
 from gpipe_tf.training import run_seed
 
@@ -202,7 +202,8 @@ def resolve(model: str, gin_files: Sequence[str] = (), gin_bindings: Sequence[st
 
 def _pipeline_batches(p: Params, path: str = "") -> list[tuple[str, tuple[int, Any]]]:
     """(dotted path, (num_micro_batches, micro_batch_shape)) of every pipeline's Params in `p` (a node with both
-    fields: a GPipe's), outside lists."""
+    fields: a GPipe's), outside lists. Told apart by their fields, not by `gpipe.pipeline.find_pipelines`' class
+    test: that module imports TensorFlow, which resolving an experiment must not."""
     found = []
     if "num_micro_batches" in p and "micro_batch_shape" in p:
         found.append((path, (p.num_micro_batches, p.micro_batch_shape)))
@@ -224,7 +225,7 @@ def _follow_micro_batch_counts(params: Params, before: dict[str, tuple[int, Any]
         new = rescaled_micro_batch_shape(shape, m_before, m)
         if new is None:
             raise ConfigError(f"--params {path}.num_micro_batches={m}: the experiment's batch of "
-                              f"{micro_batch_shapes(shape)[0][0][0] * m_before} rows ({path}.micro_batch_shape="
+                              f"{batch_rows(shape, m_before)} rows ({path}.micro_batch_shape="
                               f"{shape} at {m_before} micro-batches) does not split into {m}; use a divisor of it, "
                               f"or set {path}.micro_batch_shape too")
         params.override(f"{path}.micro_batch_shape", repr(new))

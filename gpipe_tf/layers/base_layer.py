@@ -261,6 +261,12 @@ class BaseLayer(tf.Module):
                                   "which tensors its backward pass keeps)")
 
     @classmethod
+    def loss_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
+        """Bytes this layer's work holds at once when a task runs it as its loss head (forward and backward in one
+        go, `memory/head.py`), from Params alone: by default what it keeps and the gradient of as much."""
+        return 2 * cls.activation_bytes(p, input_spec)
+
+    @classmethod
     def scratch_bytes(cls, p: InstantiableParams, input_spec: Any) -> int:
         """Scratch memory the largest single op of this layer's backward pass allocates beside its tensors (a
         kernel's workspace), from Params alone; 0 unless a layer says otherwise."""

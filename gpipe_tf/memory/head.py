@@ -30,7 +30,7 @@ def task_head(task: Params, path: str, root: str = "task") -> Head:
     planner does not see)."""
     cls = getattr(task, "cls", None)
     if path != f"{root}.network" or not (isinstance(cls, type) and hasattr(cls, "head_params")):
-        return Head()
+        return NO_HEAD
     dtype, fprop_dtype = inherited_dtypes(task)
     return Head(tuple((f"{root}.{name}", with_inherited_dtypes(lp, dtype, fprop_dtype))
                       for name, lp in cls.head_params(task)))
@@ -38,9 +38,8 @@ def task_head(task: Params, path: str, root: str = "task") -> Head:
 
 def head_memory(head: Head, features: Any, runs: int) -> tuple[tuple[int, ...], int]:
     """(each head layer's parameter count, the bytes its work holds at once) for a head applied to `runs`
-    micro-batches of `features` (the pipeline's output spec) at once. A layer's work is its `loss_bytes` where it
-    has one (the softmax: logits and loss tensors), else its `activation_bytes` twice (kept, and its gradient), plus
-    a copy of its weights in the compute dtype under mixed precision."""
+    micro-batches of `features` (the pipeline's output spec) at once: each layer's `loss_bytes`, plus a copy of its
+    weights in the compute dtype under mixed precision."""
     counts, held = [], 0
     for path, lp in head.layers:
         cls = lp.cls
@@ -48,8 +47,7 @@ def head_memory(head: Head, features: Any, runs: int) -> tuple[tuple[int, ...], 
             raise ConfigError(f"memory plan: the loss head {path} is not a layer's Params ({cls!r})")
         try:
             count = int(cls.num_params(lp))
-            loss_bytes = getattr(cls, "loss_bytes", None)
-            work = int(loss_bytes(lp, features)) if loss_bytes else 2 * int(cls.activation_bytes(lp, features))
+            work = int(cls.loss_bytes(lp, features))
         except NotImplementedError as e:
             raise ConfigError(f"memory plan: the loss head {path} ({cls.__name__}) cannot estimate its memory from "
                               f"Params ({e}); implement num_params and activation_bytes, or plan without "

@@ -45,11 +45,14 @@ def _stashed(order: ScheduleOrder, num_micro_batches: int) -> tuple[int, ...]:
         events = sorted((at, begins, c) for c in range(order.num_chunks) if order.device(c) == device
                         for i in range(m) for at, begins in ((spans[(c, i)][0], 1), (spans[(c, i)][1], 0)))
         held: dict[int, int] = {}
-        best, most = dict(held), 0
+        best: dict[int, int] = {}
+        total = most = 0
         for _, begins, c in events:
-            held[c] = held.get(c, 0) + (1 if begins else -1)
-            if begins and sum(held.values()) > most:
-                best, most = dict(held), sum(held.values())
+            change = 1 if begins else -1
+            held[c] = held.get(c, 0) + change
+            total += change
+            if total > most:
+                best, most = dict(held), total
         for c, n in best.items():
             counts[c] = n
     return tuple(counts)

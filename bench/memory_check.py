@@ -10,9 +10,9 @@ worker k, the trainer's own train step on the experiment's input, each worker's 
 the worker. The prediction is the planner's (`gpipe_tf.memory.plan.plan_pipeline`, the loss head included).
 error = predicted / measured - 1; the planner's bound is within 10% and never more than 5% under.
 
-TensorFlow's own CPU kernels run (`TF_ENABLE_ONEDNN_OPTS=0` unless the environment sets it): oneDNN's kernels on a
-CPU without AVX-512 hold scratch memory of their own in convolutions (docs/memory.md says how much), which belongs
-to that kernel library, not to the model.
+TensorFlow's own CPU kernels run (`TF_ENABLE_ONEDNN_OPTS=0` unless the environment sets it): the kernels the
+planner's convolution scratch (`BaseLayer.scratch_bytes`) was traced on. docs/memory.md says how much the kernel
+library moved the measured peaks.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError
-from gpipe_tf.layers import initializers
+from gpipe_tf.layers import initializers, stateless_random
 
 DEFAULT_SEED = 1234
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -65,8 +65,7 @@ class FPropContext:
             raise ValueError(
                 f"layer {layer_path!r} draws random numbers in training but FPropContext.seed is None; "
                 "pass FPropContext(training=True, seed=<int tensor [2]>)")
-        seed = tf.cast(tf.convert_to_tensor(self.seed), tf.int64)
-        return tf.random.experimental.stateless_fold_in(seed, random_id)
+        return stateless_random.fold_in(tf.convert_to_tensor(self.seed), random_id)
 
 
 def _snake_case(name: str) -> str:

@@ -8,14 +8,15 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers import stateless_random
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements, sensitive_dtype
 
 
 class Dropout(BaseLayer):
     """Zeroes each element with probability `rate` in training and scales the rest by 1 / (1 - rate).
 
-    The mask comes from `tf.random.stateless_uniform` seeded by the caller's `ctx.seed` folded with this layer's
-    `random_id`, so a recomputed forward pass (rematerialization) draws exactly the same mask.
+    The mask comes from `stateless_random.uniform` seeded by the caller's `ctx.seed` folded with this layer's
+    `random_id`, so a recomputed forward pass (rematerialization) draws exactly the same mask, with or without XLA.
     """
 
     @classmethod
@@ -42,8 +43,8 @@ class Dropout(BaseLayer):
             dims = set(self.p.noise_shape_broadcast_dims)
             shape = tf.stack([1 if i in dims else shape[i] for i in range(inputs.shape.rank)])
         # Drawn in float32 for half-precision inputs: bfloat16's 8-bit mantissa would coarsen the rate.
-        uniform = tf.random.stateless_uniform(shape, ctx.layer_seed(self.random_id, self.path),
-                                              dtype=sensitive_dtype(inputs.dtype))
+        uniform = stateless_random.uniform(shape, ctx.layer_seed(self.random_id, self.path),
+                                           sensitive_dtype(inputs.dtype))
         keep = tf.cast(uniform >= rate, inputs.dtype)
         return inputs * keep / (1.0 - rate)
 

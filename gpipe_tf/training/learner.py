@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from gpipe_tf.gpipe import microbatch, placement
 from gpipe_tf.hyperparams import Params, ParamsError
+from gpipe_tf.layers import stateless_random
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.tasks.base_task import BaseTask, Metrics
 from gpipe_tf.training import init_from, keep_best, lr_schedules, optimizers
@@ -239,7 +240,7 @@ class Learner(tf.Module):
         for r in range(layout.local_replicas):
             g = layout.first_replica + r
             # Each replica draws its own dropout masks: the step's seed folded with the global replica index.
-            ctx = FPropContext(training=True, seed=tf.random.experimental.stateless_fold_in(seed, g), aux={})
+            ctx = FPropContext(training=True, seed=stateless_random.fold_in(seed, g), aux={})
             with tf.device(layout.home_devices[r]), placement.on_replica(r):
                 loss, metrics, grads = self.task.loss_and_gradients(slices[g], ctx, **scaling)
             runs.append((loss, metrics, grads, ctx.aux))

@@ -14,6 +14,7 @@ from gpipe_tf.errors import ConfigError
 from gpipe_tf.gpipe import placement
 from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.layers import stateless_random
 from gpipe_tf.tasks.classifier import ClassifierTask
 from gpipe_tf.training import replicas
 from gpipe_tf.training.learner import Learner
@@ -107,7 +108,7 @@ def test_each_replica_folds_its_global_index_into_the_step_seed(monkeypatch):
     got = [s.numpy() for s in traced_seeds(next(iter(p.input.train.instantiate().dataset())))]
     step_seed = tf.constant([p.train.seed, 0], tf.int64)
     for g in range(2):
-        np.testing.assert_array_equal(got[g], tf.random.experimental.stateless_fold_in(step_seed, g).numpy())
+        np.testing.assert_array_equal(got[g], stateless_random.fold_in(step_seed, g).numpy())
     assert not np.array_equal(got[0], got[1])
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
-from gpipe_tf.layers import initializers
+from gpipe_tf.layers import initializers, stateless_random
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, num_elements, sensitive_dtype
 
 
@@ -30,7 +30,7 @@ class DropPath(BaseLayer):
     """Keeps each example's input with probability keep_prob (divided by it) or zeroes it, in training only.
 
     The mask is drawn from the stateless seed `ctx.layer_seed(random_id, path)`: a recomputed forward pass and
-    every pipeline partition draw the same mask.
+    every pipeline partition draw the same mask, with or without XLA (`stateless_random`).
     """
 
     UNCAST_VARIABLES = frozenset({"global_step"})  # a step count: bfloat16 would round it beyond 256
@@ -61,7 +61,7 @@ class DropPath(BaseLayer):
         if p.burn_in_steps > 0:
             keep = tf.cast(ramped_keep_prob(keep, tf.stop_gradient(theta["global_step"]), p.burn_in_steps), dtype)
         shape = tf.concat([tf.shape(inputs)[:1], tf.ones([inputs.shape.rank - 1], tf.int32)], 0)
-        uniform = tf.random.stateless_uniform(shape, ctx.layer_seed(self.random_id, self.path), dtype=dtype)
+        uniform = stateless_random.uniform(shape, ctx.layer_seed(self.random_id, self.path), dtype)
         mask = tf.cast(tf.floor(keep + uniform), inputs.dtype)
         return inputs * mask / (keep if isinstance(keep, float) else tf.cast(keep, inputs.dtype))
 

@@ -15,6 +15,7 @@ configurations, so a slow moment of the machine hits all of them alike; compare 
   python -m bench.pipeline --timeline     # measured vs predicted timeline of each schedule (PNG, text, JSON)
   python -m bench.pipeline --repredict bench_timelines  # those measurements beside the current prediction
   python -m bench.pipeline --peer         # every schedule at K=2, M=8 and the one-worker step: torch's peer set
+  python -m bench.pipeline --xla          # the same with jit_compile on and off, side by side
   python -m bench.pipeline --dxk          # D x K data parallelism on 4 logical CPUs (bench/data_parallel.py)
 """
 
@@ -78,7 +79,8 @@ def build_step(workload: str, k: int, m: int, remat: str, devices: list[str], sc
 
     layers, shape = layer_params(workload)
     pipe = GPipe.params().set(name="net", layers=layers, num_stages=k, num_micro_batches=m, remat=remat,
-                              devices=devices[:k], schedule=schedule_value(schedule)).instantiate()
+                              devices=devices[:k], schedule=schedule_value(schedule),
+                              jit_compile=schedule.endswith(XLA)).instantiate()
     variables = pipe.trainable_variables
     ctx = FPropContext(training=True)
     size = 1.0
@@ -139,7 +141,14 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     from gpipe_tf import workers
 
     schedules = ("unrolled", "fill_drain")
-    if args.peer:
+    if args.xla:
+        # Every schedule at K=2, M=8 and the one-worker step, with TensorFlow's kernels and with XLA stage cells,
+        # alternated in one run.
+        plain = [("transformer", 1, 8, "never", "unrolled")]
+        plain += [("transformer", 2, 8, "never", sch) for sch in PEER_SCHEDULES if not sch.endswith(BATCHED_W)]
+        configs = [c for config in plain for c in (config, config[:4] + (config[4] + XLA,))]
+        compile_ms = []
+    elif args.peer:
         # The set a PyTorch peer on workload (a) measures (torch.distributed.pipelining's GPipe, 1F1B,
         # Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble): the one-worker step, each schedule at K=2, M=8; and
         # the one-worker step at M=8, which separates the schedule from the cost of M smaller matmuls.
@@ -160,11 +169,12 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                    for m in (1, 2, 4, 8)]
         configs += [("transformer", 2, m, r, "fill_drain") for r in ("never", "always") for m in (1, 2, 4, 8)]
         compile_ms = [4, 8, 16, 32]
-    if not args.peer:
+    if not (args.peer or args.xla):
         configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
-    if not args.peer:  # the zero-bubble schedules on the weight-heavy workload too, W per micro-batch and batched
+    if not (args.peer or args.xla):
+        # The zero-bubble schedules on the weight-heavy workload too, W per micro-batch and batched.
         configs += [("heavy", 2, 8, "never", sch) for sch in HEAVY_SCHEDULES]
-    if not (args.compare or args.peer):
+    if not (args.compare or args.peer or args.xla):
         # The schedules beyond fill-drain: 1F1B, ZeroBubble (ZB-H1) and ZeroBubbleV at K=2, M=8, interleaved v=2
         # at K=2, M=4.
         configs += [("transformer", 2, 8, "never", sch) for sch in ("one_f_one_b", "zero_bubble", "zero_bubble_v")]
@@ -209,7 +219,7 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                 remat_cost=round(t / no_remat, 3) if no_remat else None,
                 peak_memory_mb=None, compile_s=round(compile_s[(workload, k, m, remat, schedule)], 2),
                 flops_fraction=round(steps[(workload, k, m, remat, schedule)][2] / t / (k * peak), 3)))
-        for config in [] if args.peer else [c for c in TRACED if c in steps]:
+        for config in [] if args.peer or args.xla else [c for c in TRACED if c in steps]:
             step, x, _ = steps[config]
             with tf.device(devices[config[1] - 1]):
                 shares = op_breakdown.trace_workers(cluster.profiler_addresses,
@@ -219,7 +229,7 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
                                     f"{worker}: {op_breakdown.format_breakdown(share)}")
             print(f"# traced {config}", file=sys.stderr)
         # The unrolled schedule's trace grows with M (minutes at M=32), so --quick measures fill_drain only.
-        for schedule in () if args.peer else ("fill_drain",) if args.quick or args.compare else (
+        for schedule in () if args.peer or args.xla else ("fill_drain",) if args.quick or args.compare else (
                 "fill_drain", "unrolled"):
             for m in compile_ms:
                 step, x, _ = build_step("transformer", 2, m, "never", devices, schedule)
@@ -238,13 +248,16 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
 # A schedule name with this suffix stands for the schedule with batch_weight_gradients=True (W batched over the
 # micro-batches after each stage's last backward), e.g. "zero_bubble+batched_w".
 BATCHED_W = "+batched_w"
+# A schedule name with this suffix (last) runs the pipeline with jit_compile=True: XLA stage cells.
+XLA = "+xla"
 
 
 def schedule_value(schedule: str) -> Any:
-    """What GPipe's `schedule` field gets for a benchmark's schedule name: the short name itself, or for a name
-    ending in BATCHED_W, the schedule's Params with batch_weight_gradients=True."""
+    """What GPipe's `schedule` field gets for a benchmark's schedule name (without its XLA suffix): the short name
+    itself, or for a name ending in BATCHED_W, the schedule's Params with batch_weight_gradients=True."""
     from gpipe_tf.gpipe import schedules
 
+    schedule = schedule.removesuffix(XLA)
     if schedule.endswith(BATCHED_W):
         return schedules.schedule_params(schedule[:-len(BATCHED_W)]).set(batch_weight_gradients=True)
     return schedule
@@ -499,6 +512,11 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     if a and b:
         out.append(f"workload (a) K=2 M=8 remat=never step one_f_one_b / fill_drain: "
                    f"{a['step_time_s'] / b['step_time_s']:.3f}")
+    for (workload, k, m, remat, schedule), a in step.items():
+        plain = step.get((workload, k, m, remat, schedule.removesuffix(XLA)))
+        if schedule.endswith(XLA) and plain:
+            out.append(f"{workload} K={k} M={m} {schedule.removesuffix(XLA)} step with XLA / without: "
+                       f"{a['step_time_s'] / plain['step_time_s']:.2f} ({a['step_time_s']} / {plain['step_time_s']} s)")
     base = step.get(("heavy", 2, 8, "never", "unrolled"))
     for schedule in HEAVY_SCHEDULES:
         a = step.get(("heavy", 2, 8, "never", schedule))
@@ -536,6 +554,8 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true", help="the configurations of the torch peer only: the "
                         "one-worker step and every schedule at K=2, M=8 without remat (run beside "
                         "torch.distributed.pipelining's schedules on the same workload, in the same session)")
+    parser.add_argument("--xla", action="store_true", help="XLA stage cells (jit_compile) against TensorFlow's "
+                        "kernels: the one-worker step at M=8 and every schedule at K=2, M=8, both ways in one run")
     parser.add_argument("--compare", action="store_true", help="FillDrain and Unrolled side by side only: K=2, M=8 "
                         "on workload (a) with and without remat, and with the zero-bubble schedules on the "
                         "weight-heavy workload (no memory part)")
@@ -579,13 +599,14 @@ def main() -> None:
         for line in timelines(args):
             print(line)
         return
-    parts = breakdown(args) if args.breakdown or not (args.compare or args.peer or args.skip_speed) else None
+    skips_breakdown = args.compare or args.peer or args.xla or args.skip_speed
+    parts = breakdown(args) if args.breakdown or not skips_breakdown else None
     if parts is not None:
         print(json.dumps(dict(breakdown=parts)), flush=True)
     if args.breakdown:
         print(breakdown_line(parts))
         return
-    rows = [] if args.skip_memory or args.compare or args.peer else memory(args)
+    rows = [] if args.skip_memory or args.compare or args.peer or args.xla else memory(args)
     for row in rows:
         print(json.dumps(row), flush=True)
     speed_rows, traced_lines = ([], []) if args.skip_speed else speed(args)

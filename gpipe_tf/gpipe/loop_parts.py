@@ -96,7 +96,11 @@ def advance(tokens: tuple[tf.Tensor, ...], after: Sequence[Any]) -> tuple[tf.Ten
 
 
 def chunk_fn(job: PipelineJob, chunk: int, ctx: FPropContext) -> Callable[[Sequence[tf.Tensor], Any], Any]:
-    """`fn(weights, inputs)`: chunk `chunk` of `job` on one micro-batch of context `ctx`, as `remat` runs it."""
+    """`fn(weights, inputs)`: chunk `chunk` of `job` on one micro-batch of context `ctx`, as `remat` runs it; with
+    `jit_compile`, the chunk's XLA cells bound to `ctx` (`xla_cells.BoundCell`)."""
+    if job.compiled_chunks is not None:
+        return job.compiled_chunks[chunk].bind(ctx)
+
     def fn(weights: Sequence[tf.Tensor], inputs: Any) -> Any:
         return job.run_chunk(chunk, weights, inputs, ctx)
     return fn

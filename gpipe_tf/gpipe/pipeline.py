@@ -33,13 +33,14 @@ from typing import Any
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import microbatch, partition, placement, remat
+from gpipe_tf.gpipe import batched_weights, microbatch, partition, placement, remat, xla_cells
 from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves
 from gpipe_tf.gpipe.plan import StagePlan, make_plan
 from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
 from gpipe_tf.gpipe.schedules import SCHEDULES, schedule_help, schedule_params  # noqa: F401 (re-exported)
 from gpipe_tf.hyperparams import InstantiableParams, Params, ParamsError
+from gpipe_tf.layers import stateless_random
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, inherited_dtypes, with_inherited_dtypes
 from gpipe_tf.layers.sequential import Sequential
 
@@ -71,6 +72,9 @@ class GPipe(BaseLayer):
         p.define("devices", None, "Explicit device strings, one per stage (or D lists of K for D replicas); "
                  "overrides device_kind.")
         p.define("schedule", FillDrain.params(), schedule_help())
+        p.define("jit_compile", False, "Compile each chunk's forward and backward with XLA, on the chunk's own "
+                 "device (gpipe_tf/gpipe/xla_cells.py); the loop, the loss head and the optimizer stay in TensorFlow. "
+                 "Same math; dropout masks come from XLA's random generator (docs/accelerators.md).")
         p.define("input_gradients", "auto", "Compute the gradient of the pipeline's input? 'auto': only if the "
                  "input is computed from variables (a data batch needs none); True when you watch the input "
                  "yourself (e.g. saliency maps).")
@@ -87,6 +91,7 @@ class GPipe(BaseLayer):
         self.plan: StagePlan = make_plan(p, chunk_devices=schedule.step_order(max(1, p.num_stages)).devices_by_chunk,
                                          num_replicas=placement.num_replicas(), path=self.path)
         schedule.validate(self.plan, p.num_micro_batches, self.path)
+        _check_jit_compile(p, schedule.p, self.path)
         self.replica_devices = [list(devices) for devices in self.plan.devices]
         self.devices = self.replica_devices[0]
         self.replica_scopes = []
@@ -178,8 +183,7 @@ class GPipe(BaseLayer):
         """
         if index is None:
             return FPropContext(training=ctx.training, seed=ctx.seed, aux={} if collect_aux else None)
-        seed = None if ctx.seed is None else tf.random.experimental.stateless_fold_in(
-            tf.cast(ctx.seed, tf.int64), tf.cast(index, tf.int64))
+        seed = None if ctx.seed is None else stateless_random.fold_in(ctx.seed, index)
         return FPropContext(training=ctx.training, seed=seed, aux={} if collect_aux else None)
 
     def _job(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> tuple[PipelineJob, Any]:
@@ -201,6 +205,7 @@ class GPipe(BaseLayer):
             return self._run_stage(chunk, tf.nest.pack_sequence_as(stage_theta[chunk], list(weights)), x, micro_ctx)
 
         wanted = p.input_gradients
+        compiled = tuple(xla_cells.CompiledChunk(run_chunk, c, ctx.training) for c in range(self.plan.num_chunks))
         job = PipelineJob(
             plan=self.plan, num_micro_batches=p.num_micro_batches, replica=replica, devices=tuple(devices),
             chunk_scopes=tuple(self.replica_scopes[replica]),
@@ -211,7 +216,7 @@ class GPipe(BaseLayer):
             output_spec=self._output_structure(
                 tf.nest.map_structure(lambda t: tf.TensorSpec([size] + t.shape[1:], t.dtype), inputs))
             if self.schedule.needs_output_spec else None,
-            training=ctx.training)
+            training=ctx.training, compiled_chunks=compiled if p.jit_compile else None)
         return job, inputs
 
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:
@@ -259,6 +264,17 @@ class GPipe(BaseLayer):
     def flops(cls, p: InstantiableParams, input_spec: Any) -> float:
         """Sum of the layers' flops."""
         return Sequential.flops(p, input_spec)
+
+
+def _check_jit_compile(p: InstantiableParams, schedule: InstantiableParams, path: str) -> None:
+    """Raises ParamsError for a `jit_compile` value or combination the XLA cells do not run."""
+    if not isinstance(p.jit_compile, bool):
+        raise ParamsError(f"{path}.jit_compile={p.jit_compile!r} must be True or False: True compiles each chunk's "
+                          "forward and backward with XLA on its device, False (the default) runs TensorFlow's kernels")
+    if p.jit_compile and batched_weights.KNOB in schedule and schedule.get(batched_weights.KNOB):
+        raise ParamsError(f"{path}.jit_compile=True with {path}.schedule.{batched_weights.KNOB}=True: the batched "
+                          "weight gradients collect each matmul's input and output gradient out of the backward, "
+                          "which a compiled cell cannot hand out; set one of them to False")
 
 
 def find_pipelines(p: Params, path: str = "task") -> list[tuple[str, InstantiableParams]]:

@@ -27,6 +27,7 @@ from typing import Any
 import tensorflow as tf
 
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
+from gpipe_tf.gpipe.xla_cells import BoundCell
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.weight_gradients import WeightStash
 
@@ -96,6 +97,11 @@ class StageForward:
             with tf.control_dependencies(list(after)):
                 grads = self._gradient(self.tape, float_leaves(self.outputs), self.xs, self.weights, dys)
             return grads[:len(self.xs)], grads[len(self.xs):]
+        if isinstance(self.fn, BoundCell) and self.stash is None:
+            # XLA: the recompute and its gradient in one compiled cell that takes `dys` as inputs (a recompute
+            # ordered by control dependencies alone is one XLA would drop).
+            with tf.control_dependencies(list(after)):
+                return self.fn.gradient(self.weights, self.inputs, self.input_gradient, dys)
         with tf.control_dependencies(list(after) + dys):
             # Copies made here: differentiating with respect to the forward pass's own weight tensors made
             # TensorFlow keep every micro-batch's weight gradients in the fill_drain backward loop.

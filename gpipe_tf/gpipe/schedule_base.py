@@ -79,6 +79,8 @@ class PipelineJob:
         (it may cost a trace of the stages); else None.
       training: whether this is a training step (gradients will be taken); schedules that compute gradients in
         their forward pass (1F1B) do so only then.
+      compiled_chunks: with `jit_compile`, each chunk's XLA cells (`xla_cells.CompiledChunk`), which
+        `loop_parts.chunk_fn` runs instead of `run_chunk`; None: TensorFlow's kernels.
     """
 
     plan: StagePlan
@@ -93,6 +95,7 @@ class PipelineJob:
     input_gradient: bool
     output_spec: Any
     training: bool = False
+    compiled_chunks: tuple[Any, ...] | None = None
 
     @property
     def num_chunks(self) -> int:

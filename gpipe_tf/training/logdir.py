@@ -27,7 +27,7 @@ CHECKPOINT_DIR = "checkpoints"
 # unchanged belongs here, so that runs may resume with it changed.
 MATH_NEUTRAL_FIELDS = frozenset({
     "num_stages", "num_micro_batches", "balance", "balance_by", "micro_batch_shape", "input_dtype", "remat",
-    "device_kind", "devices", "schedule", "input_gradients", "parallel_iterations",
+    "device_kind", "devices", "schedule", "input_gradients", "parallel_iterations", "jit_compile",
 })
 # Fields of the resolved tree that the checkpointed input position depends on: changing one on resume is refused.
 INPUT_STREAM_FIELDS = ("input.train.batch_size",)

@@ -22,16 +22,18 @@ def schedule_params(name, v=None):
     return name
 
 
-def build(layers, dtype, k=None, m=1, remat="never", schedule="fill_drain"):
+def build(layers, dtype, k=None, m=1, remat="never", schedule="fill_drain", jit_compile=False):
     if k is None:
         return Sequential.params().set(name="net", dtype=dtype, layers=layers).instantiate()
     return GPipe.params().set(name="net", dtype=dtype, layers=layers, num_stages=k, num_micro_batches=m, remat=remat,
-                              devices=DEVICES[:k], schedule=schedule).instantiate()
+                              devices=DEVICES[:k], schedule=schedule, jit_compile=jit_compile).instantiate()
 
 
 def head_fn(head, out, targets, ctx):
-    """A weighted squared error of a projection of every output leaf: sums, as PipelineLoss asks."""
-    y = tf.add_n([tf.reduce_sum(tf.reshape(t, [t.shape[0], -1]) * head[0][:int(np.prod(t.shape[1:]))], -1)
+    """A weighted squared error of a projection of every output leaf (in the head's dtype): sums, as PipelineLoss
+    asks."""
+    y = tf.add_n([tf.reduce_sum(tf.cast(tf.reshape(t, [t.shape[0], -1]), head[0].dtype)
+                                * head[0][:int(np.prod(t.shape[1:]))], -1)
                   for t in tf.nest.flatten(out)])
     return {"loss": tf.reduce_sum(targets["w"] * (y - targets["y"]) ** 2), "count": tf.reduce_sum(targets["w"])}
 

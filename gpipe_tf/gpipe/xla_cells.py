@@ -1,0 +1,94 @@
+"""XLA stage cells: each chunk's forward and backward compiled by XLA, run on the chunk's own device.
+
+A compiled function runs on one device and cannot read another device's variables, and `tf.device` inside it is
+ignored without a word (`../shared/facts/xla_facts.md`), so a multi-device step cannot be compiled whole. What
+works is what this module builds: per chunk, compiled cells called under the chunk's device from the schedule's
+ordinary loop. The loops, token rings, TensorArrays, the loss head and the optimizer stay in TensorFlow; the cells
+get the chunk's weights as tensors (read on the chunk's device by the pipeline), never its variables.
+
+* **Forward cell** `(weights, inputs, seed) -> (outputs, aux statistics)`. Without remat the schedules record it
+  on a tape: TensorFlow's gradient of a compiled function is itself compiled (its forward returns the
+  activations the backward needs), so the backward is a second XLA program on the same device.
+* **Backward cell** `(weights, inputs, seed, output gradients) -> (input gradients, weight gradients)` for a
+  rematerializing chunk: the forward pass recomputed and differentiated in one compiled program. The recompute
+  sits in the same program as the gradient that needs it and only runs when the cell runs, after the output
+  gradient has arrived; XLA drops a recompute ordered by control dependencies alone, never one that is the input
+  of what the program returns.
+
+A cell is traced once per chunk and input signature, so an unrolled schedule compiles one program per chunk and
+direction, not one per micro-batch. The micro-batch's seed is an argument, not a captured tensor, for that
+reason. Random numbers: XLA's stateless generator gives other values than TensorFlow's kernel for the same seed,
+so dropout masks under XLA differ from those without it; they are still a function of (step seed, micro-batch,
+layer) only, so they do not depend on K and a recompute draws the same mask as its forward (both run compiled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
+from gpipe_tf.layers.base_layer import FPropContext
+
+# run_chunk(chunk, weights, inputs, ctx) -> outputs, as `PipelineJob.run_chunk`.
+RunChunk = Callable[[int, Sequence[tf.Tensor], Any, FPropContext], Any]
+
+
+class CompiledChunk:
+    """The forward and backward cells of one chunk, traced once per input signature; `bind` gives a micro-batch's
+    stage function."""
+
+    def __init__(self, run_chunk: RunChunk, chunk: int, training: bool) -> None:
+        self.run_chunk, self.chunk, self.training = run_chunk, chunk, training
+        self.forward_cell = tf.function(self._forward, jit_compile=True, autograph=False)
+        self.backward_cell = tf.function(self._backward, jit_compile=True, autograph=False)
+
+    def bind(self, ctx: FPropContext) -> BoundCell:
+        """The stage function of one micro-batch of context `ctx` (its seed; its aux dict, if it collects)."""
+        return BoundCell(self, ctx)
+
+    def _context(self, seed: Any, collect_aux: bool) -> FPropContext:
+        return FPropContext(training=self.training, seed=seed, aux={} if collect_aux else None)
+
+    def _forward(self, weights: list[tf.Tensor], inputs: Any, seed: Any, collect_aux: bool) -> tuple[Any, dict]:
+        ctx = self._context(seed, collect_aux)
+        outputs = self.run_chunk(self.chunk, weights, inputs, ctx)
+        return outputs, dict(ctx.aux or {})
+
+    def _backward(self, weights: list[tf.Tensor], inputs: Any, seed: Any, input_gradient: bool,
+                  dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        # The statistics a recompute reports were reported by its forward already: none are collected here.
+        ctx = self._context(seed, collect_aux=False)
+        xs = [tf.identity(t) for t in float_leaves(inputs)] if input_gradient else []
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(xs + list(weights))
+            outputs = self.run_chunk(self.chunk, weights, with_float_leaves(inputs, xs) if input_gradient else inputs,
+                                     ctx)
+        grads = tape.gradient(float_leaves(outputs), xs + list(weights), output_gradients=dys,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return list(grads)
+
+
+class BoundCell:
+    """One micro-batch's stage function on compiled cells: `cell(weights, inputs)` runs the forward cell (and puts
+    the statistics it reports in the micro-batch's aux dict); `gradient` runs the backward cell."""
+
+    def __init__(self, compiled: CompiledChunk, ctx: FPropContext) -> None:
+        self.compiled, self.ctx = compiled, ctx
+
+    def __call__(self, weights: Sequence[tf.Tensor], inputs: Any) -> Any:
+        """The chunk's outputs on `inputs` from the compiled forward cell."""
+        outputs, aux = self.compiled.forward_cell(list(weights), inputs, self.ctx.seed, self.ctx.aux is not None)
+        if self.ctx.aux is not None:
+            self.ctx.aux.update(aux)
+        return outputs
+
+    def gradient(self, weights: Sequence[tf.Tensor], inputs: Any, input_gradient: bool,
+                 dys: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+        """(input gradients, weight gradients) of the chunk at `inputs` given its output gradients `dys`, the
+        forward recomputed inside the compiled backward cell."""
+        grads = self.compiled.backward_cell(list(weights), inputs, self.ctx.seed, input_gradient, list(dys))
+        num_x = len(float_leaves(inputs)) if input_gradient else 0
+        return grads[:num_x], grads[num_x:]

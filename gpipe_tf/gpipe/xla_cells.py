@@ -10,10 +10,10 @@ get the chunk's weights as tensors (read on the chunk's device by the pipeline),
   on a tape: TensorFlow's gradient of a compiled function is itself compiled (its forward returns the
   activations the backward needs), so the backward is a second XLA program on the same device.
 * **Backward cell** `(weights, inputs, seed, output gradients) -> (input gradients, weight gradients)` for a
-  rematerializing chunk: the forward pass recomputed and differentiated in one compiled program. The recompute
-  sits in the same program as the gradient that needs it and only runs when the cell runs, after the output
-  gradient has arrived; XLA drops a recompute ordered by control dependencies alone, never one that is the input
-  of what the program returns.
+  rematerializing chunk: the forward pass recomputed and differentiated in one compiled program, its inputs made
+  to depend on a value of the output gradient (`_after`, as `tf.recompute_grad` does). XLA ignores control
+  dependencies: a recompute ordered by them alone is merged with the forward pass once both are in one program
+  (the whole step under `train.jit_compile`); this one cannot be, and runs only once the gradient exists.
 
 A cell is traced once per chunk and input signature, so an unrolled schedule compiles one program per chunk and
 direction, not one per micro-batch. The micro-batch's seed is an argument, not a captured tensor, for that
@@ -61,6 +61,7 @@ class CompiledChunk:
                   dys: list[tf.Tensor]) -> list[tf.Tensor]:
         # The statistics a recompute reports were reported by its forward already: none are collected here.
         ctx = self._context(seed, collect_aux=False)
+        weights, inputs = _after(dys, list(weights), inputs)
         xs = [tf.identity(t) for t in float_leaves(inputs)] if input_gradient else []
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(xs + list(weights))
@@ -92,3 +93,22 @@ class BoundCell:
         grads = self.compiled.backward_cell(list(weights), inputs, self.ctx.seed, input_gradient, list(dys))
         num_x = len(float_leaves(inputs)) if input_gradient else 0
         return grads[:num_x], grads[num_x:]
+
+
+def _after(dys: Sequence[tf.Tensor], weights: list[tf.Tensor], inputs: Any) -> tuple[list[tf.Tensor], Any]:
+    """`weights` and `inputs` made to depend on the output gradients' values while unchanged, so that the recompute
+    cannot start before them nor be merged with the forward pass once the cell is inlined into a larger program
+    (the whole step under `train.jit_compile`, where XLA would otherwise take the forward's activations for the
+    recompute's and keep them all). As `tf.recompute_grad` does: a zero that XLA cannot fold, since it comes from a
+    value of the gradient (NaN where that value is NaN, as the gradient then is), added to the float inputs, or
+    where the chunk has none (token ids) to its smallest weight."""
+    first = tf.reshape(dys[0], [-1])[:1] if dys else tf.zeros([1])
+    present = tf.cast(tf.reduce_max(first), tf.bool)
+    zero = tf.where(tf.equal(present, present), 0.0, float("nan"))
+    floats = float_leaves(inputs)
+    if floats:
+        return weights, with_float_leaves(inputs, [x + tf.cast(zero, x.dtype) for x in floats])
+    if weights:
+        j = min(range(len(weights)), key=lambda i: weights[i].shape.num_elements() or 0)
+        weights = weights[:j] + [weights[j] + tf.cast(zero, weights[j].dtype)] + weights[j + 1:]
+    return weights, inputs

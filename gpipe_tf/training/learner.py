@@ -16,7 +16,7 @@ from gpipe_tf.hyperparams import Params, ParamsError
 from gpipe_tf.layers import stateless_random
 from gpipe_tf.layers.base_layer import BaseLayer, FPropContext
 from gpipe_tf.tasks.base_task import BaseTask, Metrics
-from gpipe_tf.training import init_from, keep_best, lr_schedules, optimizers
+from gpipe_tf.training import init_from, keep_best, lr_schedules, optimizers, xla_step
 from gpipe_tf.training import loss_scale as loss_scale_lib
 from gpipe_tf.training import weight_ema as weight_ema_lib
 from gpipe_tf.training.replicas import ReplicaLayout
@@ -59,6 +59,9 @@ def training_params() -> Params:
     p.define("loss_scale", loss_scale_lib.loss_scale_params(), "Loss scaling for float16 computation (method auto: "
              "dynamic when a layer's fprop_dtype is float16). The scale and the skipped-step count are written to "
              "TensorBoard as loss_scale and skipped_steps (docs/precision.md#float16-and-loss-scaling).")
+    p.define("jit_compile", False, "Compile the whole train step as one XLA program: every variable on one device "
+             "(K=1, or every stage on one device). A pipeline over several devices compiles each stage on its own "
+             "device instead: task.network.jit_compile (docs/accelerators.md).")
     return p
 
 
@@ -79,6 +82,9 @@ def check_training_params(tp: Params) -> None:
         if value > MAX_STEP:
             raise ParamsError(f"train.{name}={value} is above {MAX_STEP}, the largest int64 step; use a smaller "
                               "value")
+    if not isinstance(tp.jit_compile, bool):
+        raise ParamsError(f"train.jit_compile={tp.jit_compile!r} must be True or False: True compiles the whole step "
+                          "with XLA on one device, False (the default) runs TensorFlow's kernels")
     init_from.check(tp.init_from)
     if not tp.learning_rate >= 0.0:
         raise ParamsError(f"train.learning_rate={tp.learning_rate!r} must be >= 0")
@@ -140,6 +146,12 @@ class Learner(tf.Module):
         self.ema = (weight_ema_lib.WeightEma(self.variables_to_train, train_params.ema_decay)
                     if train_params.ema_decay else None)
         self.train_step = tf.function(self._train_step, autograph=False)
+        if train_params.jit_compile:
+            xla_step.check_one_device(self.variables, layers)  # the task's, the optimizer's and the learner's
+            compiled = tf.function(self._train_step, autograph=False, jit_compile=True)
+            self.train_step = tf.function(
+                lambda batch, stop_requested=None: compiled(xla_step.compilable_batch(batch), stop_requested),
+                autograph=False)
         # The names of the task's metrics (what evaluation reports too), known once the step has been traced.
         self.task_metric_names: tuple[str, ...] = ()
 
@@ -200,6 +212,8 @@ class Learner(tf.Module):
         if self.loss_scale is not None:
             out.update(loss_scale=self.loss_scale.scale.read_value(),
                        skipped_steps=tf.cast(self.loss_scale.skipped_steps.read_value(), tf.float32))
+        if self.tp.jit_compile:  # while tracing, before XLA compiles (and could silently get) any of it
+            xla_step.refuse_uncompilable(tf.compat.v1.get_default_graph())
         return out
 
     def checkpointed(self) -> dict[str, tf.Module]:

@@ -10,13 +10,14 @@ from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.schedule_base import Schedule
+from gpipe_tf.gpipe.spmd import SpmdPipeline
 from gpipe_tf.gpipe.unrolled import Unrolled
 from gpipe_tf.gpipe.windowed_loop import WindowedSchedule
 from gpipe_tf.gpipe.zero_bubble import ZeroBubble
 from gpipe_tf.gpipe.zero_bubble_v import ZeroBubbleV
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
-__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "Unrolled", "ZeroBubble", "ZeroBubbleV",
+__all__ = ["FillDrain", "Interleaved", "OneForwardOneBackward", "SpmdPipeline", "Unrolled", "ZeroBubble", "ZeroBubbleV",
            "SCHEDULES", "schedule_params", "schedule_name", "step_order", "schedule_help"]
 
 # Short names a `schedule` field may hold instead of Params (e.g. on the command line): each stands for its

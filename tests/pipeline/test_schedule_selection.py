@@ -99,7 +99,7 @@ def test_a_bad_schedule_name_or_class_is_one_line_naming_the_choices():
     with pytest.raises(ParamsError) as info:
         _schedule("task.network.schedule=interleave")
     message = str(info.value)
-    assert "'interleave'" in message and "fill_drain, interleaved, one_f_one_b, unrolled" in message
+    assert "'interleave'" in message and "fill_drain, interleaved, one_f_one_b, spmd, unrolled" in message
     assert "\n" not in message
     with pytest.raises(ParamsError, match="os.path.join has no params"):
         _schedule("task.network.schedule=os.path.join")

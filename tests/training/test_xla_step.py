@@ -12,6 +12,7 @@ from gpipe_tf.gpipe.schedule_base import PipelineLoss
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.training.learner import Learner
+from tests.helpers import tiers
 from tests.helpers.loss_in_pipeline import build, data, head_fn
 from tests.helpers.pipeline_models import DEVICES, mlp_layers
 
@@ -27,8 +28,10 @@ def losses(key, overrides, steps):
     return [float(learner.train_step(next(batches), tf.constant(False))["loss"]) for _ in range(steps)]
 
 
+# The default experiment's compiled step takes XLA 40 s to build on a 2-core machine: the exhaustive tier's.
 @pytest.mark.parametrize("key,overrides", [
-    ("mt.number_words.NumbersTiny", "task.network.num_stages=1"),
+    pytest.param("mt.number_words.NumbersTiny", "task.network.num_stages=1,task.network.num_micro_batches=1",
+                 marks=tiers.EXHAUSTIVE),
     ("toy.classifier.BlobsMlp", ""),
     ("toy.classifier.BlobsMlpGPipe", f"task.network.devices={ONE_DEVICE},task.network.jit_compile=True"),
 ])

@@ -1,9 +1,10 @@
 """TPU slices: which cores a pipeline's K stages and D replicas get, from the slice's topology.
 
 Lingvo's GPipe runs one XLA program per replica with stage k on the replica's logical core k; in TensorFlow 2 that
-is a `TPUStrategy` built with a `tf.tpu.experimental.DeviceAssignment` of K cores per replica
-(`../shared/facts/xla_facts.md`). Everything here works on a `tf.tpu.experimental.Topology`, which can be built
-without a TPU, so the assignment a trainer would make on a slice can be computed, printed and tested anywhere:
+is a `TPUStrategy` built with a `tf.tpu.experimental.DeviceAssignment` of K cores per replica (lingvo/core/gpipe.py
+and cluster.py; TensorFlow's `TPUStrategy` docs). Everything here works on a `tf.tpu.experimental.Topology`, which
+can be built without a TPU, so the assignment a trainer would make on a slice can be computed, printed and tested
+anywhere:
 
 * `topology(name)`: the topology of a named slice (`SLICES`), as `initialize_tpu_system` would report it;
 * `device_assignment(topology, K, D)`: D replicas of K cores each, the K cores of a replica as close as the mesh

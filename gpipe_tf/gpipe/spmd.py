@@ -1,14 +1,14 @@
 """The SPMD pipeline: a uniform stack's K stages as one program over a stage axis (Praxis, late Lingvo).
 
 For TPUs, where one XLA program per replica with the stage axis split over cores is the native form
-(`../shared/facts/xla_facts.md`). Every stage must hold the same layers (a stack of Transformer layers cut into
-equal stages): their weights are stacked along a leading stage axis, and one step is a loop of M + K - 1
-iterations over a buffer of K slots, one per stage. Iteration t feeds micro-batch t to slot 0 and each slot k the
-output slot k - 1 computed in iteration t - 1, runs every stage on its slot at once (`tf.vectorized_map` over
-the stage axis: one batched op per layer op, the axis XLA's SPMD partitioner would split over cores), and keeps
-the last stage's output, micro-batch t - K + 1's once t >= K - 1. The first K - 1 iterations of the last stages,
-and the last K - 1 of the first ones, compute on zeros whose results nothing reads: the bubble, spent as in
-GPipe's own order. The loop is a `tf.while_loop`, so the graph does not grow with M, and its gradient is
+(lingvo/core/gshard_layers.py, LayerwiseShardablePipelinedLayer). Every stage must hold the same layers (a stack of
+Transformer layers cut into equal stages): their weights are stacked along a leading stage axis, and one step is a
+loop of M + K - 1 iterations over a buffer of K slots, one per stage. Iteration t feeds micro-batch t to slot 0 and
+each slot k the output slot k - 1 computed in iteration t - 1, runs every stage on its slot at once
+(`tf.vectorized_map` over the stage axis: one batched op per layer op, the axis XLA's SPMD partitioner would split
+over cores), and keeps the last stage's output, micro-batch t - K + 1's once t >= K - 1. The first K - 1 iterations
+of the last stages, and the last K - 1 of the first ones, compute on zeros whose results nothing reads: the bubble,
+spent as in GPipe's own order. The loop is a `tf.while_loop`, so the graph does not grow with M, and its gradient is
 TensorFlow's.
 
 Unsharded, the program runs on one device: the first stage's. Refused, with the reason: a stack whose stages

@@ -1,10 +1,11 @@
 """XLA stage cells: each chunk's forward and backward compiled by XLA, run on the chunk's own device.
 
 A compiled function runs on one device and cannot read another device's variables, and `tf.device` inside it is
-ignored without a word (`../shared/facts/xla_facts.md`), so a multi-device step cannot be compiled whole. What
-works is what this module builds: per chunk, compiled cells called under the chunk's device from the schedule's
-ordinary loop. The loops, token rings, TensorArrays, the loss head and the optimizer stay in TensorFlow; the cells
-get the chunk's weights as tensors (read on the chunk's device by the pipeline), never its variables.
+ignored without a word (TensorFlow's XLA known issues, "tf.Variable on a different device"; TensorFlow issue
+124880), so a multi-device step cannot be compiled whole. What works is what this module builds: per chunk, compiled
+cells called under the chunk's device from the schedule's ordinary loop. The loops, token rings, TensorArrays, the
+loss head and the optimizer stay in TensorFlow; the cells get the chunk's weights as tensors (read on the chunk's
+device by the pipeline), never its variables.
 
 * **Forward cell** `(weights, inputs, seed) -> (outputs, aux statistics)`. Without remat the schedules record it
   on a tape: TensorFlow's gradient of a compiled function is itself compiled (its forward returns the

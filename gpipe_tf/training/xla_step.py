@@ -1,9 +1,10 @@
 """`train.jit_compile`: the whole training step as one XLA program, and what it refuses.
 
 A compiled function runs on one device, ignores `tf.device` inside it and cannot read another device's variables
-(`../shared/facts/xla_facts.md`), so the whole step compiles only where every variable of the task and the
-optimizer is on one device: K=1, or every stage on one device. A pipeline over several devices compiles each
-stage on its own device instead (the GPipe layer's `jit_compile`, `gpipe_tf/gpipe/xla_cells.py`).
+(TensorFlow's XLA known issues, "tf.Variable on a different device"; TensorFlow issue 124880), so the whole step
+compiles only where every variable of the task and the optimizer is on one device: K=1, or every stage on one
+device. A pipeline over several devices compiles each stage on its own device instead (the GPipe layer's
+`jit_compile`, `gpipe_tf/gpipe/xla_cells.py`).
 
 XLA gets some constructs wrong without an error. This module refuses them while the step is traced, before any of
 it runs:

@@ -74,7 +74,7 @@ class GPipe(BaseLayer):
         p.define("schedule", FillDrain.params(), schedule_help())
         p.define("jit_compile", False, "Compile each chunk's forward and backward with XLA, on the chunk's own "
                  "device (gpipe_tf/gpipe/xla_cells.py); the loop, the loss head and the optimizer stay in TensorFlow. "
-                 "Same math; dropout masks come from XLA's random generator (docs/accelerators.md).")
+                 "Same math, dropout masks included (docs/accelerators.md).")
         p.define("input_gradients", "auto", "Compute the gradient of the pipeline's input? 'auto': only if the "
                  "input is computed from variables (a data batch needs none); True when you watch the input "
                  "yourself (e.g. saliency maps).")
@@ -205,7 +205,8 @@ class GPipe(BaseLayer):
             return self._run_stage(chunk, tf.nest.pack_sequence_as(stage_theta[chunk], list(weights)), x, micro_ctx)
 
         wanted = p.input_gradients
-        compiled = tuple(xla_cells.CompiledChunk(run_chunk, c, ctx.training) for c in range(self.plan.num_chunks))
+        compiled = (tuple(xla_cells.CompiledChunk(run_chunk, c, ctx.training) for c in range(self.plan.num_chunks))
+                    if p.jit_compile else None)
         job = PipelineJob(
             plan=self.plan, num_micro_batches=p.num_micro_batches, replica=replica, devices=tuple(devices),
             chunk_scopes=tuple(self.replica_scopes[replica]),
@@ -216,7 +217,7 @@ class GPipe(BaseLayer):
             output_spec=self._output_structure(
                 tf.nest.map_structure(lambda t: tf.TensorSpec([size] + t.shape[1:], t.dtype), inputs))
             if self.schedule.needs_output_spec else None,
-            training=ctx.training, compiled_chunks=compiled if p.jit_compile else None)
+            training=ctx.training, compiled_chunks=compiled)
         return job, inputs
 
     def fprop(self, theta: Mapping[str, Any], inputs: Any, ctx: FPropContext) -> Any:

@@ -18,9 +18,8 @@ device by the pipeline), never its variables.
 
 A cell is traced once per chunk and input signature, so an unrolled schedule compiles one program per chunk and
 direction, not one per micro-batch. The micro-batch's seed is an argument, not a captured tensor, for that
-reason. Random numbers: XLA's stateless generator gives other values than TensorFlow's kernel for the same seed,
-so dropout masks under XLA differ from those without it; they are still a function of (step seed, micro-batch,
-layer) only, so they do not depend on K and a recompute draws the same mask as its forward (both run compiled).
+reason. Dropout masks inside the cells are the ones drawn without XLA: the layers draw them with
+`layers/stateless_random.py`, whose values XLA does not change.
 """
 
 from __future__ import annotations

@@ -145,13 +145,14 @@ class Learner(tf.Module):
         self.optimizer.build(self.variables_to_train)
         self.ema = (weight_ema_lib.WeightEma(self.variables_to_train, train_params.ema_decay)
                     if train_params.ema_decay else None)
-        self.train_step = tf.function(self._train_step, autograph=False)
         if train_params.jit_compile:
             xla_step.check_one_device(self.variables, layers)  # the task's, the optimizer's and the learner's
             compiled = tf.function(self._train_step, autograph=False, jit_compile=True)
             self.train_step = tf.function(
                 lambda batch, stop_requested=None: compiled(xla_step.compilable_batch(batch), stop_requested),
                 autograph=False)
+        else:
+            self.train_step = tf.function(self._train_step, autograph=False)
         # The names of the task's metrics (what evaluation reports too), known once the step has been traced.
         self.task_metric_names: tuple[str, ...] = ()
 

@@ -31,8 +31,12 @@ from gpipe_tf.gpipe.pipeline import GPipe
 
 
 def _device(name: str) -> str:
+    """A variable's device, short for this process's own ('/device:CPU:0'), whole for another process's (each
+    TensorFlow worker's CPU:0 is its own device)."""
     spec = tf.DeviceSpec.from_string(name)
-    return f"/device:{spec.device_type or 'CPU'}:{spec.device_index or 0}"
+    process = ("" if spec.job in (None, "localhost")
+               else f"/job:{spec.job}/replica:{spec.replica or 0}/task:{spec.task or 0}")
+    return f"{process}/device:{spec.device_type or 'CPU'}:{spec.device_index or 0}"
 
 
 def check_one_device(variables: Iterable[tf.Variable], modules: Iterable[tf.Module]) -> None:

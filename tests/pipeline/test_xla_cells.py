@@ -20,7 +20,8 @@ SCHEDULES = ["fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_bubbl
 
 
 def micro_batches(schedule, k, m):
-    """M as the grid names it, or for Interleaved (which needs M a multiple of K) the nearest such M >= K below it."""
+    """M as the grid names it; for Interleaved, which needs M a multiple of K, the largest multiple of K not above
+    it, and K itself where M < K."""
     return max(k, m // k * k) if schedule == "interleaved" else m
 
 

@@ -1,6 +1,8 @@
 """`train.jit_compile`: the whole step as one XLA program trains as the un-compiled step does, on one device, and
 what XLA would silently get wrong is refused while the step is traced."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -11,6 +13,7 @@ from gpipe_tf.gpipe import schedules
 from gpipe_tf.gpipe.schedule_base import PipelineLoss
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.training import xla_step
 from gpipe_tf.training.learner import Learner
 from tests.helpers import tiers
 from tests.helpers.loss_in_pipeline import build, data, head_fn
@@ -48,6 +51,15 @@ def test_variables_on_several_devices_are_refused():
     with pytest.raises(ConfigError, match=r"variables are on 2 devices \(/device:CPU:0, /device:CPU:1\): put every "
                                           r"stage on one device .*task.network.jit_compile=True"):
         Learner(task, params.train)
+
+
+def test_stages_on_two_workers_are_two_devices():
+    """Each TensorFlow worker's CPU:0 is a device of its own: stages on two workers are refused too."""
+    on = [SimpleNamespace(device=f"/job:worker/replica:0/task:{t}/device:CPU:0") for t in (0, 1)]
+    with pytest.raises(ConfigError, match=r"on 2 devices \(/job:worker/replica:0/task:0/device:CPU:0, "
+                                          r"/job:worker/replica:0/task:1/device:CPU:0\)"):
+        xla_step.check_one_device(on, [])
+    xla_step.check_one_device(on[:1] + [SimpleNamespace(device=on[0].device)], [])  # one worker: accepted
 
 
 def test_remat_ordered_by_control_dependencies_is_refused():

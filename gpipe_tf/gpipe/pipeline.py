@@ -33,7 +33,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from gpipe_tf.gpipe import batched_weights, microbatch, partition, placement, remat, xla_cells
+from gpipe_tf.gpipe import microbatch, partition, placement, remat, xla_cells
 from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.leaves import depends_on_variables, float_leaves
 from gpipe_tf.gpipe.plan import StagePlan, make_plan
@@ -91,7 +91,7 @@ class GPipe(BaseLayer):
         self.plan: StagePlan = make_plan(p, chunk_devices=schedule.step_order(max(1, p.num_stages)).devices_by_chunk,
                                          num_replicas=placement.num_replicas(), path=self.path)
         schedule.validate(self.plan, p.num_micro_batches, self.path)
-        _check_jit_compile(p, schedule.p, self.path)
+        _check_jit_compile(p, self.path)
         self.replica_devices = [list(devices) for devices in self.plan.devices]
         self.devices = self.replica_devices[0]
         self.replica_scopes = []
@@ -267,15 +267,11 @@ class GPipe(BaseLayer):
         return Sequential.flops(p, input_spec)
 
 
-def _check_jit_compile(p: InstantiableParams, schedule: InstantiableParams, path: str) -> None:
-    """Raises ParamsError for a `jit_compile` value or combination the XLA cells do not run."""
+def _check_jit_compile(p: InstantiableParams, path: str) -> None:
+    """Raises ParamsError unless `jit_compile` is a bool."""
     if not isinstance(p.jit_compile, bool):
         raise ParamsError(f"{path}.jit_compile={p.jit_compile!r} must be True or False: True compiles each chunk's "
                           "forward and backward with XLA on its device, False (the default) runs TensorFlow's kernels")
-    if p.jit_compile and batched_weights.KNOB in schedule and schedule.get(batched_weights.KNOB):
-        raise ParamsError(f"{path}.jit_compile=True with {path}.schedule.{batched_weights.KNOB}=True: the batched "
-                          "weight gradients collect each matmul's input and output gradient out of the backward, "
-                          "which a compiled cell cannot hand out; set one of them to False")
 
 
 def find_pipelines(p: Params, path: str = "task") -> list[tuple[str, InstantiableParams]]:

@@ -29,7 +29,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.gpipe.xla_cells import BoundCell
 from gpipe_tf.hyperparams import ParamsError
-from gpipe_tf.layers.weight_gradients import WeightStash
+from gpipe_tf.layers.weight_gradients import MatmulRecord, WeightStash
 
 POLICIES = ("never", "always", "except_last")
 
@@ -52,12 +52,23 @@ class StageForward:
 
     `fn(weights, inputs)` runs the stage; `inputs` may be any nested structure, of which only the floating-point
     leaves get gradients, and only if `input_gradient` (stage 0 on a data batch needs none).
+
+    With XLA cells (`fn` an `xla_cells.BoundCell`) and a recording stash, the cell routes: the stage's weights get
+    a pair of zero placeholders per watched matmul, and the gradients the cell returns for them become the stash's
+    records when the gradient is taken (`xla_cells` module doc).
     """
 
     def __init__(self, fn: StageFn, weights: Sequence[tf.Tensor], inputs: Any, input_gradient: bool,
                  recompute: bool, stash: WeightStash | None = None) -> None:
         self.fn, self.weights, self.inputs = fn, list(weights), inputs
         self.input_gradient, self.recompute, self.stash = input_gradient, recompute, stash
+        self.records_to: WeightStash | None = None  # the recording stash a routing cell's pairs go to
+        self.calls: list = []
+        if isinstance(fn, BoundCell) and stash is not None and not stash.routes:
+            self.calls = fn.matmul_calls(self.weights, inputs)
+            self.records_to = stash
+            self.stash = WeightStash(routes=2 * len(self.calls)) if self.calls else None
+            self.weights += _placeholders(self.calls)
         if recompute:
             self.tape, self.xs = None, []
             self.outputs = self._run(self.weights, inputs)
@@ -79,6 +90,8 @@ class StageForward:
     def _run(self, weights: list[tf.Tensor], inputs: Any) -> Any:
         if self.stash is None:
             return self.fn(weights, inputs)
+        if isinstance(self.fn, BoundCell):  # the cell watches its weights itself
+            return self.fn(weights, inputs, self.stash.routes)
         with self.stash.watching(weights):
             return self.fn(self.stash.weights(weights), inputs)
 
@@ -87,7 +100,8 @@ class StageForward:
         """(input gradients, weight gradients) given `dys`, the gradients of the output's float leaves.
 
         With a `stash`, the matmuls of watched weights leave their weight gradients to it (as `MatmulRecord`s
-        appended while this gradient is built), and a weight with no other use gets None here, not zeros.
+        appended while this gradient is built), and a weight with no other use gets None here, not zeros (with XLA
+        cells, zeros).
 
         Nothing of it starts before `dys` and `after` (ops or tensors) exist: a recomputation runs only once it
         is needed, so TensorFlow cannot merge it with the forward pass, and its activations live only meanwhile.
@@ -96,12 +110,16 @@ class StageForward:
         if not self.recompute:
             with tf.control_dependencies(list(after)):
                 grads = self._gradient(self.tape, float_leaves(self.outputs), self.xs, self.weights, dys)
-            return grads[:len(self.xs)], grads[len(self.xs):]
-        if isinstance(self.fn, BoundCell) and self.stash is None:
+            return grads[:len(self.xs)], self._deliver(grads[len(self.xs):])
+        if isinstance(self.fn, BoundCell):
             # XLA: the recompute and its gradient in one compiled cell that takes `dys` as inputs (a recompute
-            # ordered by control dependencies alone is one XLA would drop).
+            # ordered by control dependencies alone is one XLA would drop); placeholders made here, as below.
+            routes = self.stash.routes if self.stash is not None else 0
+            real = self.weights[:len(self.weights) - routes]
+            weights = real + [tf.zeros(p.shape, p.dtype) for p in self.weights[len(real):]]
             with tf.control_dependencies(list(after)):
-                return self.fn.gradient(self.weights, self.inputs, self.input_gradient, dys)
+                dx, dw = self.fn.gradient(weights, self.inputs, self.input_gradient, dys, routes)
+            return dx, self._deliver(dw)
         with tf.control_dependencies(list(after) + dys):
             # Copies made here: differentiating with respect to the forward pass's own weight tensors made
             # TensorFlow keep every micro-batch's weight gradients in the fill_drain backward loop.
@@ -112,11 +130,30 @@ class StageForward:
         grads = self._gradient(tape, float_leaves(out), xs, weights, dys)
         return grads[:len(xs)], grads[len(xs):]
 
+    def _deliver(self, dw: list[tf.Tensor]) -> list[tf.Tensor]:
+        """`dw` as the caller's weights have it: where a routing cell stands in for a recording stash, its
+        placeholders' gradients (x, dy per watched matmul) become that stash's records and leave the list."""
+        if self.records_to is None or not self.calls:
+            return dw
+        num_real = len(dw) - 2 * len(self.calls)
+        pairs = dw[num_real:]
+        self.records_to.records.extend(MatmulRecord(call.weight, x, dy)
+                                       for call, x, dy in zip(self.calls, pairs[0::2], pairs[1::2]))
+        return dw[:num_real]
+
     def _gradient(self, tape: tf.GradientTape, outputs: list[tf.Tensor], xs: list[tf.Tensor],
                   weights: list[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor | None]:
         unconnected = tf.UnconnectedGradients.ZERO if self.stash is None else tf.UnconnectedGradients.NONE
         grads = tape.gradient(outputs, xs + weights, output_gradients=dys, unconnected_gradients=unconnected)
         return [tf.zeros_like(x) if g is None else g for g, x in zip(grads[:len(xs)], xs)] + grads[len(xs):]
+
+
+def _placeholders(calls: Sequence[Any]) -> list[tf.Tensor]:
+    """Zeros shaped as each watched matmul's input and output gradient, in call order (x, dy, x, dy, ...)."""
+    out = []
+    for call in calls:
+        out += [tf.zeros([call.rows, call.input_dim], call.dtype), tf.zeros([call.rows, call.output_dim], call.dtype)]
+    return out
 
 
 def stage_op(fn: StageFn, weights: Sequence[tf.Tensor], inputs: Any, input_gradient: bool, recompute: bool,

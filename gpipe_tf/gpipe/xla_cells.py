@@ -16,6 +16,12 @@ device by the pipeline), never its variables.
   dependencies: a recompute ordered by them alone is merged with the forward pass once both are in one program
   (the whole step under `train.jit_compile`); this one cannot be, and runs only once the gradient exists.
 
+* **Batched weight gradients** (`batch_weight_gradients`): a compiled cell cannot hand out what its backward
+  builds, so a cell routes instead. It takes, after the chunk's weights, a pair of placeholders per watched matmul
+  (zeros shaped as the matmul's input x and output gradient dy, `matmul_calls` lists them) and watches the
+  weights inside itself (`WeightStash` routing); the gradients it returns for the placeholders are x and dy, and
+  those of the watched weights leave out x^T dy. The schedule's stash gets them from there (`remat.StageForward`).
+
 A cell is traced once per chunk and input signature, so an unrolled schedule compiles one program per chunk and
 direction, not one per micro-batch. The micro-batch's seed is an argument, not a captured tensor, for that
 reason. Dropout masks inside the cells are the ones drawn without XLA: the layers draw them with
@@ -24,13 +30,15 @@ reason. Dropout masks inside the cells are the ones drawn without XLA: the layer
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.layers.weight_gradients import MatmulCall, WeightStash
 
 # run_chunk(chunk, weights, inputs, ctx) -> outputs, as `PipelineJob.run_chunk`.
 RunChunk = Callable[[int, Sequence[tf.Tensor], Any, FPropContext], Any]
@@ -44,6 +52,29 @@ class CompiledChunk:
         self.run_chunk, self.chunk, self.training = run_chunk, chunk, training
         self.forward_cell = tf.function(self._forward, jit_compile=True, autograph=False)
         self.backward_cell = tf.function(self._backward, jit_compile=True, autograph=False)
+        self._calls: dict[str, list[MatmulCall]] = {}
+
+    def matmul_calls(self, weights: Sequence[tf.Tensor], inputs: Any, seed: Any) -> list[MatmulCall]:
+        """The chunk's matmuls of `weights` (`weight_gradients.matmul`) on inputs shaped as `inputs`, from one
+        (uncompiled) trace per signature; none if a matmul's row count is not static (no placeholder can be
+        shaped for it: its weight gradient then stays per micro-batch)."""
+        specs = ([tf.TensorSpec(w.shape, w.dtype) for w in weights],
+                 tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), inputs),
+                 None if seed is None else tf.TensorSpec(seed.shape, seed.dtype))
+        key = repr(specs)
+        if key not in self._calls:
+            found: list[MatmulCall] = []
+
+            def trace(ws: list[tf.Tensor], x: Any, s: Any) -> list[tf.Tensor]:
+                stash = WeightStash()
+                with stash.watching(ws):
+                    out = self.run_chunk(self.chunk, ws, x, self._context(s, collect_aux=False))
+                found[:] = stash.calls
+                return float_leaves(out)
+
+            tf.function(trace, autograph=False).get_concrete_function(*specs)
+            self._calls[key] = found if all(c.rows is not None for c in found) else []
+        return self._calls[key]
 
     def bind(self, ctx: FPropContext) -> BoundCell:
         """The stage function of one micro-batch of context `ctx` (its seed; its aux dict, if it collects)."""
@@ -52,21 +83,26 @@ class CompiledChunk:
     def _context(self, seed: Any, collect_aux: bool) -> FPropContext:
         return FPropContext(training=self.training, seed=seed, aux={} if collect_aux else None)
 
-    def _forward(self, weights: list[tf.Tensor], inputs: Any, seed: Any, collect_aux: bool) -> tuple[Any, dict]:
+    def _forward(self, weights: list[tf.Tensor], inputs: Any, seed: Any, collect_aux: bool,
+                 routes: int) -> tuple[Any, dict]:
         ctx = self._context(seed, collect_aux)
-        outputs = self.run_chunk(self.chunk, weights, inputs, ctx)
+        with _watching(weights, routes) as real:
+            outputs = self.run_chunk(self.chunk, real, inputs, ctx)
         return outputs, dict(ctx.aux or {})
 
     def _backward(self, weights: list[tf.Tensor], inputs: Any, seed: Any, input_gradient: bool,
-                  dys: list[tf.Tensor]) -> list[tf.Tensor]:
+                  dys: list[tf.Tensor], routes: int) -> list[tf.Tensor]:
         # The statistics a recompute reports were reported by its forward already: none are collected here.
         ctx = self._context(seed, collect_aux=False)
-        weights, inputs = _after(dys, list(weights), inputs)
+        num_real = len(weights) - routes
+        real, inputs = _after(dys, list(weights[:num_real]), inputs)
+        weights = real + list(weights[num_real:])
         xs = [tf.identity(t) for t in float_leaves(inputs)] if input_gradient else []
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(xs + list(weights))
-            outputs = self.run_chunk(self.chunk, weights, with_float_leaves(inputs, xs) if input_gradient else inputs,
-                                     ctx)
+            with _watching(weights, routes) as real:
+                outputs = self.run_chunk(self.chunk, real, with_float_leaves(inputs, xs) if input_gradient else inputs,
+                                         ctx)
         grads = tape.gradient(float_leaves(outputs), xs + list(weights), output_gradients=dys,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return list(grads)
@@ -79,20 +115,39 @@ class BoundCell:
     def __init__(self, compiled: CompiledChunk, ctx: FPropContext) -> None:
         self.compiled, self.ctx = compiled, ctx
 
-    def __call__(self, weights: Sequence[tf.Tensor], inputs: Any) -> Any:
-        """The chunk's outputs on `inputs` from the compiled forward cell."""
-        outputs, aux = self.compiled.forward_cell(list(weights), inputs, self.ctx.seed, self.ctx.aux is not None)
+    def __call__(self, weights: Sequence[tf.Tensor], inputs: Any, routes: int = 0) -> Any:
+        """The chunk's outputs on `inputs` from the compiled forward cell; `weights` ends with `routes` placeholders
+        of watched matmuls (the module doc)."""
+        outputs, aux = self.compiled.forward_cell(list(weights), inputs, self.ctx.seed, self.ctx.aux is not None,
+                                                  routes)
         if self.ctx.aux is not None:
             self.ctx.aux.update(aux)
         return outputs
 
     def gradient(self, weights: Sequence[tf.Tensor], inputs: Any, input_gradient: bool,
-                 dys: Sequence[tf.Tensor]) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+                 dys: Sequence[tf.Tensor], routes: int = 0) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
         """(input gradients, weight gradients) of the chunk at `inputs` given its output gradients `dys`, the
-        forward recomputed inside the compiled backward cell."""
-        grads = self.compiled.backward_cell(list(weights), inputs, self.ctx.seed, input_gradient, list(dys))
+        forward recomputed inside the compiled backward cell; the gradients of `routes` trailing placeholders
+        are the watched matmuls' inputs and output gradients."""
+        grads = self.compiled.backward_cell(list(weights), inputs, self.ctx.seed, input_gradient, list(dys), routes)
         num_x = len(float_leaves(inputs)) if input_gradient else 0
         return grads[:num_x], grads[num_x:]
+
+    def matmul_calls(self, weights: Sequence[tf.Tensor], inputs: Any) -> list[MatmulCall]:
+        """The chunk's watched matmuls on `inputs` (`CompiledChunk.matmul_calls`)."""
+        return self.compiled.matmul_calls(weights, inputs, self.ctx.seed)
+
+
+@contextlib.contextmanager
+def _watching(weights: list[tf.Tensor], routes: int) -> Iterator[list[tf.Tensor]]:
+    """The chunk's weights (`weights` without its `routes` trailing placeholders), watched by a routing stash
+    within the block if `routes`."""
+    if not routes:
+        yield weights
+        return
+    stash = WeightStash(routes)
+    with stash.watching(weights):
+        yield stash.weights(weights)
 
 
 def _after(dys: Sequence[tf.Tensor], weights: list[tf.Tensor], inputs: Any) -> tuple[list[tf.Tensor], Any]:

@@ -156,7 +156,9 @@ def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
             dy_rows = tf.reshape(dy, [-1, out_dim])
             dx = tf.reshape(tf.matmul(dy_rows, w_arg, transpose_b=True), tf.shape(x_arg))
             if placeholders:  # routing: x and dy leave as the placeholders' gradients
-                return dx, None, flat, dy_rows
+                # x as an op of the gradient's own graph: a function's gradient (an XLA cell's) cannot return a
+                # tensor of its forward graph unchanged.
+                return dx, None, tf.identity(flat), dy_rows
             stash.records.append(MatmulRecord(j, flat, dy_rows))
             return dx, None
 

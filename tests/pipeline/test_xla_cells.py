@@ -1,6 +1,7 @@
 """`jit_compile=True`: every chunk's forward and backward compiled by XLA on its own device give the un-compiled
-model's loss and gradients, for every schedule, remat policy, K and M; the recompute survives in the compiled
-backward; each cell runs on its stage's device; dropout masks are the same with and without XLA."""
+model's loss and gradients, for every schedule (batched W on and off), remat policy, K and M; the recompute
+survives in the compiled backward; each cell runs on its stage's device; dropout masks are the same with and
+without XLA."""
 
 import collections
 
@@ -10,19 +11,30 @@ import tensorflow as tf
 
 from gpipe_tf import experiment
 from gpipe_tf.gpipe.pipeline import GPipe
+from gpipe_tf.gpipe.schedules import SCHEDULES as SCHEDULE_CLASSES
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
 from tests.helpers import tiers
 from tests.helpers.loss_in_pipeline import DEPTH, assert_same, build, data, loss_and_grads, schedule_params
 from tests.helpers.pipeline_models import BATCH, DEVICES, mlp_layers, placed_ops
 
-SCHEDULES = ["fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v"]
+BATCHED = "+batched_w"  # a schedule name with this suffix: its batch_weight_gradients=True
+PLAIN = ["fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v"]
+SCHEDULES = PLAIN + [s + BATCHED for s in PLAIN if s != "unrolled"]  # Unrolled has no batched W
 
 
 def micro_batches(schedule, k, m):
     """M as the grid names it; for Interleaved, which needs M a multiple of K, the largest multiple of K not above
     it, and K itself where M < K."""
-    return max(k, m // k * k) if schedule == "interleaved" else m
+    return max(k, m // k * k) if schedule.startswith("interleaved") else m
+
+
+def knobs(schedule):
+    """The schedule's Params for a grid name (Interleaved with 2 virtual stages)."""
+    name = schedule.removesuffix(BATCHED)
+    p = schedule_params(name, 2)
+    p = SCHEDULE_CLASSES[name].params() if isinstance(p, str) else p
+    return p.set(batch_weight_gradients=True) if schedule.endswith(BATCHED) else p
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +48,20 @@ def reference():
 def test_float64_compiled_cells_equal_unpipelined(reference, schedule, remat, k, m):
     x, targets, head, ref = reference
     layer = build(mlp_layers("float64", depth=DEPTH), "float64", k, micro_batches(schedule, k, m), remat,
-                  schedule_params(schedule, 2), jit_compile=True)
+                  knobs(schedule), jit_compile=True)
     assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("schedule,remat,k,m", tiers.sample(
     [(s, remat, 2, 4) for s in SCHEDULES for remat in ("never", "always")] + [("fill_drain", "always", 4, 8),
                                                                               ("zero_bubble_v", "never", 3, 8)],
-    keep=[("fill_drain", "always", 4, 8), ("one_f_one_b", "never", 2, 4), ("zero_bubble_v", "always", 2, 4)]))
+    keep=[("fill_drain", "always", 4, 8), ("one_f_one_b", "never", 2, 4), ("zero_bubble_v", "always", 2, 4),
+          ("zero_bubble" + BATCHED, "never", 2, 4)]))
 def test_float32_compiled_cells_equal_unpipelined(schedule, remat, k, m):
     x, targets, head = data("float32", seed=2)
     ref = loss_and_grads(build(mlp_layers("float32", depth=DEPTH), "float32"), x, targets, head)
     layer = build(mlp_layers("float32", depth=DEPTH), "float32", k, micro_batches(schedule, k, m), remat,
-                  schedule_params(schedule, 2), jit_compile=True)
+                  knobs(schedule), jit_compile=True)
     assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-5, atol=1e-6)
 
 
@@ -121,10 +134,6 @@ def test_an_unrolled_schedule_compiles_one_program_per_chunk_and_direction(monke
 def test_jit_compile_errors_name_the_value_and_the_fix():
     with pytest.raises(ParamsError, match=r"net.jit_compile='yes' must be True or False"):
         build(mlp_layers("float32", depth=2), "float32", 2, 1, jit_compile="yes")
-    schedule = GPipe.params().schedule.copy().set(batch_weight_gradients=True)
-    with pytest.raises(ParamsError, match=r"net.jit_compile=True with net.schedule.batch_weight_gradients=True: .* "
-                                          r"set one of them to False"):
-        build(mlp_layers("float32", depth=2), "float32", 2, 1, schedule=schedule, jit_compile=True)
 
 
 def test_bfloat16_trains_to_the_same_accuracy_with_xla(tmp_path):

@@ -10,7 +10,9 @@ anywhere:
 * `device_assignment(topology, K, D)`: D replicas of K cores each, the K cores of a replica as close as the mesh
   allows (the cores of one chip first, then neighbouring chips along x, y, z), with errors that name what fits;
 * `stage_cores(assignment)`: replica r's stage k -> (chip coordinates, core on the chip, host task), and
-  `format_stage_cores` the one table a trainer prints.
+  `format_stage_cores` the one table a trainer prints;
+* `tpu_strategy(tpu, K, D)`: on a real slice, the `TPUStrategy` with that assignment (connects to the TPU and
+  initializes it; without one, a `ConfigError` naming the TPU and what to pass).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -133,3 +136,23 @@ def format_stage_cores(assignment: tf.tpu.experimental.DeviceAssignment) -> str:
         by_replica.setdefault(s.replica, []).append(
             f"stage {s.stage} -> chip ({s.chip[0]},{s.chip[1]},{s.chip[2]}) core {s.core} host {s.task}")
     return "\n".join(f"replica {r}: " + ", ".join(parts) for r, parts in sorted(by_replica.items()))
+
+
+def tpu_strategy(tpu: str, num_stages: int, num_replicas: int | None = None,
+                 log: Callable[[str], None] = print) -> tf.distribute.TPUStrategy:
+    """Connects to TPU `tpu` (a name, a grpc:// address, or 'local' for the host's own TPU), initializes it and
+    returns a `TPUStrategy` of D replicas (default: as many as fit) of `num_stages` cores each, replica r's logical
+    core k for stage k (`device_assignment` on the slice's own topology); logs `format_stage_cores` first.
+
+    Raises ConfigError, with the TPU's name and what to pass, where no TPU answers."""
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        topo = tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, tf.errors.NotFoundError, tf.errors.UnavailableError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"no TPU answered at tpu={tpu!r} ({first[:160]}); pass the TPU's name or grpc:// address, "
+                          "or 'local' on a TPU VM") from e
+    assignment = device_assignment(topo, num_stages, num_replicas)
+    log(format_stage_cores(assignment))
+    return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)

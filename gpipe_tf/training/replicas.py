@@ -21,9 +21,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from gpipe_tf.errors import ConfigError
@@ -210,36 +208,6 @@ def make_layout(local_replicas: int, use_cluster: bool = True) -> ReplicaLayout:
         raise ConfigError(f"the multi-worker strategy has {strategy.num_replicas_in_sync} replicas for "
                           f"{num_workers} workers; expected one replica per worker (TF_CONFIG)")
     return ReplicaLayout(local_replicas=1, num_workers=num_workers, worker_index=index, strategy=strategy)
-
-
-def tpu_device_assignment(topology: Any, num_replicas: int, num_stages: int) -> Any:
-    """TPUStrategy's device assignment for D replicas of K cores: replica r's logical core k is TPU core r*K+k.
-
-    The same mapping as every other device kind (`placement.replica_stage_index`), over the topology's cores in
-    task-major order, so a replica's cores are neighbours on the mesh. `topology`: a
-    `tf.tpu.experimental.Topology`, as `tf.tpu.experimental.initialize_tpu_system` returns it.
-    """
-    coordinates = np.asarray(topology.device_coordinates)
-    cores = coordinates.reshape(-1, coordinates.shape[-1])
-    needed = num_replicas * num_stages
-    if needed > len(cores):
-        raise ConfigError(f"{num_replicas} replicas x {num_stages} stages need {needed} TPU cores; the topology has "
-                          f"{len(cores)}; lower train.num_replicas or num_stages")
-    assignment = np.array([[cores[placement.replica_stage_index(r, k, num_stages)] for k in range(num_stages)]
-                           for r in range(num_replicas)], dtype=np.int32)
-    return tf.tpu.experimental.DeviceAssignment(topology, assignment)
-
-
-def make_tpu_strategy(num_replicas: int, num_stages: int, tpu: str = "") -> tf.distribute.TPUStrategy:
-    """Connects to TPU `tpu`, initializes it and returns a TPUStrategy with K cores per replica.
-
-    Not run on this project's CI machines (no TPU); its mapping is `tpu_device_assignment`, which is tested.
-    """
-    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
-    tf.config.experimental_connect_to_cluster(resolver)
-    topology = tf.tpu.experimental.initialize_tpu_system(resolver)
-    return tf.distribute.TPUStrategy(
-        resolver, experimental_device_assignment=tpu_device_assignment(topology, num_replicas, num_stages))
 
 
 def replica_home_devices(task: tf.Module, local_replicas: int) -> list[str]:

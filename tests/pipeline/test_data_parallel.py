@@ -251,22 +251,6 @@ def test_trainer_rejects_batch_not_divisible_by_replicas(tmp_path):
     assert "input.train.batch_size=64 is not divisible by the 3 data-parallel replicas" in err
 
 
-def test_tpu_device_assignment_uses_the_replica_stage_mapping():
-    import tensorflow as tf
-
-    # A 2x2 mesh of 4 cores in one task, as initialize_tpu_system would describe it.
-    coordinates = np.array([[[0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]]], dtype=np.int32)
-    topology = tf.tpu.experimental.Topology(mesh_shape=[2, 2, 1, 1], device_coordinates=coordinates)
-    assignment = replicas.tpu_device_assignment(topology, num_replicas=2, num_stages=2)
-    assert assignment.num_replicas == 2 and assignment.num_cores_per_replica == 2
-    for r in range(2):
-        for k in range(2):
-            expected = coordinates[0, placement.replica_stage_index(r, k, 2)]
-            np.testing.assert_array_equal(assignment.coordinates(r, k), expected)
-    with pytest.raises(ConfigError, match="need 6 TPU cores; the topology has 4"):
-        replicas.tpu_device_assignment(topology, num_replicas=3, num_stages=2)
-
-
 @pytest.mark.exhaustive(covered_by=(
     "tests/pipeline/test_workers.py::test_two_worker_processes_compute_the_same_gradients",
 ))

@@ -53,3 +53,34 @@ def test_sizes_that_do_not_fit_name_what_does():
         tpu_slices.device_assignment(v38, 4, 3)
     with pytest.raises(ConfigError, match=r"TPU slice 'v9-8' is not one of v2-8, v3-8"):
         tpu_slices.topology("v9-8")
+
+
+def test_the_strategy_gets_the_slices_own_assignment_and_logs_it(monkeypatch):
+    """TensorFlow's TPU calls stood in for (no TPU here): the strategy is built on the topology the TPU system
+    reports, with K cores per replica, and the stage table is logged first."""
+    import tensorflow as tf
+
+    made = {}
+    monkeypatch.setattr(tf.distribute.cluster_resolver, "TPUClusterResolver", lambda tpu: ("resolver", tpu))
+    monkeypatch.setattr(tf.config, "experimental_connect_to_cluster", lambda resolver: made.update(connect=resolver))
+    monkeypatch.setattr(tf.tpu.experimental, "initialize_tpu_system", lambda resolver: tpu_slices.topology("v3-8"))
+    monkeypatch.setattr(tf.distribute, "TPUStrategy",
+                        lambda resolver, experimental_device_assignment: (resolver, experimental_device_assignment))
+    lines = []
+    resolver, assignment = tpu_slices.tpu_strategy("my-tpu", num_stages=4, log=lines.append)
+    assert resolver == ("resolver", "my-tpu") and made["connect"] == resolver
+    assert (assignment.num_replicas, assignment.num_cores_per_replica) == (2, 4)
+    assert lines == [tpu_slices.format_stage_cores(assignment)] and lines[0].startswith("replica 0: stage 0 -> chip")
+
+
+def test_without_a_tpu_the_strategy_names_the_tpu_and_what_to_pass():
+    """A process of its own: connecting to a cluster changes the process's TensorFlow context."""
+    import subprocess
+    import sys
+
+    code = ("from gpipe_tf import tpu_slices\n"
+            "try:\n    tpu_slices.tpu_strategy('local', 2)\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
+    assert out.startswith("ConfigError no TPU answered at tpu='local' ("), out
+    assert "pass the TPU's name or grpc:// address, or 'local' on a TPU VM" in out

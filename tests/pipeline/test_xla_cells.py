@@ -93,10 +93,35 @@ def test_the_compiled_backward_keeps_the_recompute():
     input of the gradients it returns. Two Linear layers: 2 matmuls forward, 4 for the gradients of input and
     weights, and 2 more for the recompute."""
     cell, weights, x, dys = stage_cell("always")
-    forward = cell.forward_cell.experimental_get_compiler_ir(weights, x, None, False)(stage="optimized_hlo")
-    backward = cell.backward_cell.experimental_get_compiler_ir(weights, x, None, True, dys)(stage="optimized_hlo")
+    forward = cell.forward_cell.experimental_get_compiler_ir(weights, x, None, False, 0)(stage="optimized_hlo")
+    backward = cell.backward_cell.experimental_get_compiler_ir(weights, x, None, True, dys, 0)(stage="optimized_hlo")
     assert forward.count(" dot(") == 2
     assert backward.count(" dot(") == 6
+
+
+def test_a_routing_backward_cell_leaves_the_weight_gradients_out():
+    """Batched W: the backward cell of the same stage, its 2 matmuls routed, recomputes (2 dots) and computes the
+    input gradients (2) but no weight gradient; the inputs and output gradients it returns per matmul give the
+    weight gradients the plain backward cell computes."""
+    cell, weights, x, dys = stage_cell("always")
+    calls = cell.matmul_calls(weights, x, None)
+    rows = BATCH // 2
+    # The stage's weights are [b, w] per layer: the matmuls use weights 1 and 3.
+    assert [(c.weight, c.rows, c.input_dim, c.output_dim) for c in calls] == [(1, rows, 6, 6), (3, rows, 6, 6)]
+    placeholders = [tf.zeros([c.rows, d]) for c in calls for d in (c.input_dim, c.output_dim)]
+    routed_ir = cell.backward_cell.experimental_get_compiler_ir(weights + placeholders, x, None, True, dys, 4)
+    assert routed_ir(stage="optimized_hlo").count(" dot(") == 4
+    plain = cell.backward_cell(weights, x, None, True, dys, 0)
+    routed = cell.backward_cell(weights + placeholders, x, None, True, dys, 4)
+    np.testing.assert_allclose(routed[0].numpy(), plain[0].numpy(), rtol=1e-6)  # the input gradient
+    pairs = routed[1 + len(weights):]
+    np.testing.assert_allclose(pairs[0].numpy(), x.numpy())  # the first matmul's input is the stage's input
+    for n, j in enumerate((1, 3)):  # X^T dY of each matmul is its weight's gradient, which the cell left out
+        np.testing.assert_allclose((tf.transpose(pairs[2 * n]) @ pairs[2 * n + 1]).numpy(), plain[1 + j].numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        assert not np.any(routed[1 + j].numpy())
+    for j in (0, 2):  # the biases keep their gradients
+        np.testing.assert_allclose(routed[1 + j].numpy(), plain[1 + j].numpy(), rtol=1e-6)
 
 
 def test_each_cell_runs_compiled_on_its_stage_device():

@@ -29,7 +29,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.gpipe.xla_cells import BoundCell
 from gpipe_tf.hyperparams import ParamsError
-from gpipe_tf.layers.weight_gradients import MatmulRecord, WeightStash
+from gpipe_tf.layers.weight_gradients import MatmulCall, MatmulRecord, WeightStash
 
 POLICIES = ("never", "always", "except_last")
 
@@ -63,7 +63,7 @@ class StageForward:
         self.fn, self.weights, self.inputs = fn, list(weights), inputs
         self.input_gradient, self.recompute, self.stash = input_gradient, recompute, stash
         self.records_to: WeightStash | None = None  # the recording stash a routing cell's pairs go to
-        self.calls: list = []
+        self.calls: list[MatmulCall] = []  # the matmuls a routing cell stands in for
         if isinstance(fn, BoundCell) and stash is not None and not stash.routes:
             self.calls = fn.matmul_calls(self.weights, inputs)
             self.records_to = stash
@@ -148,7 +148,7 @@ class StageForward:
         return [tf.zeros_like(x) if g is None else g for g, x in zip(grads[:len(xs)], xs)] + grads[len(xs):]
 
 
-def _placeholders(calls: Sequence[Any]) -> list[tf.Tensor]:
+def _placeholders(calls: Sequence[MatmulCall]) -> list[tf.Tensor]:
     """Zeros shaped as each watched matmul's input and output gradient, in call order (x, dy, x, dy, ...)."""
     out = []
     for call in calls:

@@ -63,10 +63,10 @@ class StageForward:
         self.fn, self.weights, self.inputs = fn, list(weights), inputs
         self.input_gradient, self.recompute, self.stash = input_gradient, recompute, stash
         self.records_to: WeightStash | None = None  # the recording stash a routing cell's pairs go to
-        self.calls: list[MatmulCall] = []  # the matmuls a routing cell stands in for
+        self.calls: list[MatmulCall] = []  # the matmuls a routing cell routes for it
         if isinstance(fn, BoundCell) and stash is not None and not stash.routes:
             self.calls = fn.matmul_calls(self.weights, inputs)
-            self.records_to = stash
+            self.records_to = stash if self.calls else None
             self.stash = WeightStash(routes=2 * len(self.calls)) if self.calls else None
             self.weights += _placeholders(self.calls)
         if recompute:
@@ -133,7 +133,7 @@ class StageForward:
     def _deliver(self, dw: list[tf.Tensor]) -> list[tf.Tensor]:
         """`dw` as the caller's weights have it: where a routing cell stands in for a recording stash, its
         placeholders' gradients (x, dy per watched matmul) become that stash's records and leave the list."""
-        if self.records_to is None or not self.calls:
+        if self.records_to is None:
             return dw
         num_real = len(dw) - 2 * len(self.calls)
         pairs = dw[num_real:]

@@ -36,6 +36,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from gpipe_tf.gpipe import batched_weights
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.layers.base_layer import FPropContext
 from gpipe_tf.layers.weight_gradients import MatmulCall, WeightStash
@@ -52,29 +53,17 @@ class CompiledChunk:
         self.run_chunk, self.chunk, self.training = run_chunk, chunk, training
         self.forward_cell = tf.function(self._forward, jit_compile=True, autograph=False)
         self.backward_cell = tf.function(self._backward, jit_compile=True, autograph=False)
-        self._calls: dict[str, list[MatmulCall]] = {}
 
     def matmul_calls(self, weights: Sequence[tf.Tensor], inputs: Any, seed: Any) -> list[MatmulCall]:
         """The chunk's matmuls of `weights` (`weight_gradients.matmul`) on inputs shaped as `inputs`, from one
-        (uncompiled) trace per signature; none if a matmul's row count is not static (no placeholder can be
-        shaped for it: its weight gradient then stays per micro-batch)."""
-        specs = ([tf.TensorSpec(w.shape, w.dtype) for w in weights],
-                 tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), inputs),
-                 None if seed is None else tf.TensorSpec(seed.shape, seed.dtype))
-        key = repr(specs)
-        if key not in self._calls:
-            found: list[MatmulCall] = []
+        uncompiled trace (`batched_weights.discover_calls`); none if a matmul's row count is not static (no
+        placeholder can be shaped for it: its weight gradient then stays per micro-batch)."""
+        def forward(x: Any, stashes: list[WeightStash]) -> Any:
+            with stashes[0].watching(weights):
+                return self.run_chunk(self.chunk, weights, x, self._context(seed, collect_aux=False))
 
-            def trace(ws: list[tf.Tensor], x: Any, s: Any) -> list[tf.Tensor]:
-                stash = WeightStash()
-                with stash.watching(ws):
-                    out = self.run_chunk(self.chunk, ws, x, self._context(s, collect_aux=False))
-                found[:] = stash.calls
-                return float_leaves(out)
-
-            tf.function(trace, autograph=False).get_concrete_function(*specs)
-            self._calls[key] = found if all(c.rows is not None for c in found) else []
-        return self._calls[key]
+        spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
+        return batched_weights.discover_calls(forward, 1, spec)[0]
 
     def bind(self, ctx: FPropContext) -> BoundCell:
         """The stage function of one micro-batch of context `ctx` (its seed; its aux dict, if it collects)."""

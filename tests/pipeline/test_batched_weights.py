@@ -152,12 +152,13 @@ def test_transformer_stack_with_batched_w_equals_unpipelined(schedule, k, m, rem
 @pytest.mark.parametrize("schedule,batch,jit,remat", [
     ("fill_drain", True, False, "never"), ("fill_drain", False, False, "never"), ("zero_bubble", True, False, "never"),
     ("zero_bubble", False, False, "never"), ("fill_drain", True, True, "always"), ("zero_bubble", True, True, "never"),
+    ("zero_bubble", False, True, "never"),
     pytest.param("fill_drain", True, True, "never", marks=tiers.EXHAUSTIVE),
     pytest.param("zero_bubble", True, True, "always", marks=tiers.EXHAUSTIVE)])
 def test_no_loop_computes_a_weight_gradient_matmul_the_step_computes_each_once(schedule, batch, jit, remat):
     """With batched W each Linear weight (DEPTH of them) gets one X^T dY matmul, outside every loop, on its stage's
-    device, and no loop body (nor XLA cell, with jit_compile) holds one; per micro-batch, the loop bodies hold them
-    all."""
+    device, and no loop body (nor XLA cell, with jit_compile) holds one; per micro-batch, the loop bodies (or the
+    cells and their gradients) hold them all."""
     x, targets, head = data("float64")
     knobs = SCHEDULES[schedule].params().set(batch_weight_gradients=batch)
     layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, 4, remat, knobs, jit_compile=jit)

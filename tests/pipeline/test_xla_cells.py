@@ -15,7 +15,7 @@ from gpipe_tf.gpipe.schedules import SCHEDULES as SCHEDULE_CLASSES
 from gpipe_tf.hyperparams import ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
 from tests.helpers import tiers
-from tests.helpers.loss_in_pipeline import DEPTH, assert_same, build, data, loss_and_grads, schedule_params
+from tests.helpers.loss_in_pipeline import DEPTH, assert_same, build, data, loss_and_grads
 from tests.helpers.pipeline_models import BATCH, DEVICES, mlp_layers, placed_ops
 
 BATCHED = "+batched_w"  # a schedule name with this suffix: its batch_weight_gradients=True
@@ -32,8 +32,7 @@ def micro_batches(schedule, k, m):
 def knobs(schedule):
     """The schedule's Params for a grid name (Interleaved with 2 virtual stages)."""
     name = schedule.removesuffix(BATCHED)
-    p = schedule_params(name, 2)
-    p = SCHEDULE_CLASSES[name].params() if isinstance(p, str) else p
+    p = SCHEDULE_CLASSES[name].params().set(**({"virtual_stages": 2} if name == "interleaved" else {}))
     return p.set(batch_weight_gradients=True) if schedule.endswith(BATCHED) else p
 
 

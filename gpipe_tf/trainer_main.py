@@ -93,6 +93,15 @@ flags.DEFINE_integer("capacity_devices", None, "--capacity: the most stages (dev
                      "experiment's K).", lower_bound=1)
 flags.DEFINE_integer("capacity_step", 1, "--capacity: try multiples of this (e.g. 8 for AmoebaNet's filters, "
                      "whose every cell width must be even).", lower_bound=1)
+flags.DEFINE_string("accelerator", None, "--mode=inspect: the predicted step time of every K, M, schedule and remat "
+                    "worth trying on this device preset (tpu_v2, tpu_v3, p100, v100, a100, h100; docs/speed.md), which "
+                    "fit --device_memory (default: the preset's memory), and the fastest that fits.")
+flags.DEFINE_float("accelerator_flops", None, "--mode=inspect: peak FLOP/s of one device (replaces --accelerator's; "
+                   "with --accelerator_bandwidth, describes a device no preset names).")
+flags.DEFINE_float("accelerator_bandwidth", None, "--mode=inspect: bytes/s between two neighbouring devices "
+                   "(replaces --accelerator's).")
+flags.DEFINE_integer("accelerator_devices", None, "--accelerator: the devices to plan for; K goes up to it (default: "
+                     "the experiment's K).", lower_bound=1)
 flags.DEFINE_integer("num_replicas", None, "Data-parallel pipeline replicas in this process (overrides "
                      "train.num_replicas); replica r's stage k runs on device r*K+k.", lower_bound=1)
 flags.DEFINE_list("worker_hosts", [], "Multi-worker data parallelism: host:port of every trainer process, the chief "
@@ -154,6 +163,9 @@ def _main(argv: list[str]) -> None:
     if FLAGS.mode == "inspect":
         _inspect(params, overrides)
         return
+    if _speed_requested():
+        _fail(f"--accelerator, --accelerator_flops and --accelerator_bandwidth plan a run: use them with "
+              f"--mode=inspect, not --mode={FLAGS.mode}")
     budget = None if FLAGS.device_memory is None else parse_bytes(FLAGS.device_memory)  # a bad size fails first
     with _out_of_memory_as_one_line(params, budget):
         _run_job(params, resolved, gin_config, budget)
@@ -250,9 +262,15 @@ def _inspect(params: Params, overrides: str) -> None:
                                                 "params": overrides}, device_memory=budget)
     if FLAGS.capacity:
         report["capacity"] = _capacity(params, overrides, budget, pipelines)
+    if _speed_requested():
+        report["speed"] = _speed(params, budget, pipelines)
     text = inspection.format_report(report)
     if FLAGS.capacity:
         text += "\n" + format_capacity(params.model, FLAGS.capacity, FLAGS.device_memory, report["capacity"])
+    if report.get("speed"):
+        from gpipe_tf.speed.search import format_speed_plan  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
+
+        text += "\n" + "\n".join(format_speed_plan(report["speed"]))
     print(json.dumps(report) if FLAGS.json else text, flush=True)
     if not FLAGS.quiet:
         print(f"inspect done in {progress.format_duration(time.perf_counter() - start)}", file=sys.stderr,
@@ -270,6 +288,29 @@ def _capacity(params: Params, overrides: str, budget: int | None, pipelines: lis
     log = None if FLAGS.quiet else (lambda line: print(f"capacity: {line}", file=sys.stderr, flush=True))
     return capacity(params.model, FLAGS.capacity, budget, devices, gin_bindings=FLAGS.gin_param,
                     overrides=overrides, step=FLAGS.capacity_step, progress=log, gin_files=FLAGS.gin_file)
+
+
+def _speed_requested() -> bool:
+    return FLAGS.accelerator is not None or FLAGS.accelerator_flops is not None or (
+        FLAGS.accelerator_bandwidth is not None)
+
+
+def _speed(params: Params, budget: int | None, pipelines: list) -> dict[str, Any] | None:
+    """--accelerator: the speed plan of the first pipeline (docs/speed.md), or None with a note where the
+    experiment has no pipeline."""
+    from gpipe_tf.memory.head import task_head  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
+    from gpipe_tf.speed import accelerators, search  # noqa: PLC0415 -- imports TensorFlow: after tf_startup
+
+    device = accelerators.resolve(FLAGS.accelerator, FLAGS.accelerator_flops, FLAGS.accelerator_bandwidth)
+    if not pipelines:
+        print(f"--accelerator: {params.model} has no GPipe pipeline, so there is no K, M or schedule to choose",
+              file=sys.stderr, flush=True)
+        return None
+    path, pipe = pipelines[0]
+    devices = FLAGS.accelerator_devices or pipe.num_stages
+    log = None if FLAGS.quiet else (lambda line: print(f"speed plan: {line}", file=sys.stderr, flush=True))
+    return search.speed_plan(pipe, params.train, device, devices, budget, head=task_head(params.task, path),
+                             path=path, progress=log)
 
 
 def _replica_layout(params: Params) -> ReplicaLayout:

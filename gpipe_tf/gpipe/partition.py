@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.base_layer import FPropContext
+from gpipe_tf.layers.estimates import estimate
 
 BALANCE_BY = ("params", "flops", "time")
 
@@ -38,7 +39,7 @@ def layer_param_counts(layer_params: Sequence[InstantiableParams]) -> list[int]:
     counts = []
     for i, lp in enumerate(layer_params):
         try:
-            counts.append(int(lp.cls.num_params(lp)))
+            counts.append(int(estimate(lp, "num_params")))
         except NotImplementedError:
             raise ParamsError(f"layer {i} ({lp.cls.__name__}) cannot count its parameters from Params; give an "
                               "explicit balance or use balance_by='time'") from None
@@ -50,8 +51,8 @@ def layer_flops(layer_params: Sequence[InstantiableParams], input_spec: Any) -> 
     flops, spec = [], input_spec
     for i, lp in enumerate(layer_params):
         try:
-            flops.append(float(lp.cls.flops(lp, spec)))
-            spec = lp.cls.output_spec(lp, spec)
+            flops.append(float(estimate(lp, "flops", spec)))
+            spec = estimate(lp, "output_spec", spec)
         except NotImplementedError:
             raise ParamsError(f"layer {i} ({lp.cls.__name__}) cannot estimate its flops from Params; use "
                               "balance_by='params' or 'time', or an explicit balance") from None

@@ -30,6 +30,7 @@ import tensorflow as tf
 from gpipe_tf.errors import ConfigError
 from gpipe_tf.hyperparams import InstantiableParams
 from gpipe_tf.layers.base_layer import spec_bytes
+from gpipe_tf.layers.estimates import estimate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +94,14 @@ def trace_layers(layers: Sequence[InstantiableParams], input_spec: Any, names: S
     for name, lp in zip(names, layers):
         what = "num_params"
         try:
-            count = int(lp.cls.num_params(lp))
+            count = int(estimate(lp, "num_params"))
             what = "output_spec"
-            next_spec = lp.cls.output_spec(lp, spec)
+            next_spec = estimate(lp, "output_spec", spec)
             what = "activation_bytes"
-            kept = int(lp.cls.activation_bytes(lp, spec))
+            kept = int(estimate(lp, "activation_bytes", spec))
             shared = getattr(lp.cls, "shared_with_previous_bytes", None)
             shared = int(shared(lp, spec)) if shared is not None else 0
-            scratch = int(lp.cls.scratch_bytes(lp, spec))
+            scratch = int(estimate(lp, "scratch_bytes", spec))
         except NotImplementedError as e:
             raise ConfigError(f"memory plan: {name} ({lp.cls.__name__}) cannot estimate its memory from Params: "
                               f"{lp.cls.__name__}.{what} is missing ({e}); implement it, or plan without "

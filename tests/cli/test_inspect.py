@@ -197,3 +197,32 @@ def test_interleaved_over_too_few_layers_advises_a_setting_that_plans():
     assert advised.returncode == 0, advised.stderr[-2000:]
     assert "pipeline task.network: K=2 x 3 chunks per device (chunk devices 0 1 0 1 0 1) M=4" in advised.stdout, \
         advised.stdout
+
+
+def test_accelerator_prints_the_speed_plan_and_its_json():
+    result = trainer_process.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
+                                  "--mode=inspect", "--accelerator=a100", "--accelerator_devices=4", "--json"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    speed = json.loads(result.stdout)["speed"]
+    assert speed["accelerator"] == "a100" and speed["device_memory"] == 80 * 2 ** 30
+    assert {r["num_stages"] for r in speed["rows"]} == {1, 2, 4}
+    fastest = speed["fastest"]
+    assert fastest["fits"] and fastest["step_seconds"] == min(r["step_seconds"] for r in speed["rows"])
+    text = trainer_process.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe",
+                                "--mode=inspect", "--accelerator=a100", "--accelerator_devices=4"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0, text.stderr[-2000:]
+    assert "speed plan on 4 x a100: float32 156 TFLOP/s" in text.stdout, text.stdout
+    assert f"--params={fastest['params']}" in text.stdout or "fastest that fits: the experiment's own" in text.stdout
+
+
+@pytest.mark.parametrize("flags,fragments", [
+    (["--mode=inspect", "--accelerator=tpu_v9"], ["--accelerator='tpu_v9' is not a preset", "tpu_v3", "h100"]),
+    (["--mode=inspect", "--accelerator_flops=1e14"], ["--accelerator_bandwidth=bytes/s"]),
+    (["--mode=train", "--accelerator=tpu_v3"], ["use them with --mode=inspect, not --mode=train"]),
+])
+def test_bad_accelerator_flags_are_one_line_exit_2(flags, fragments):
+    result = trainer_process.run([sys.executable, "trainer.py", "--model=toy.classifier.BlobsMlpGPipe", *flags],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert_user_error(result, *fragments)

@@ -9,9 +9,10 @@ Each cell of the schedule's order (`timeline.predict`, the simulation that draws
   the micro-batch's weight gradients to the sums (memory-bound: read the sum and the gradient, write the sum);
   a zero-bubble order's W cell is the weight-gradient half and the sums.
 
-A transfer is charged to the sending device's cell: a device that overlaps sending with compute does better. The
-step is the simulated makespan plus the optimizer's update, memory-bound: each device reads its weights, gradient
-sums and optimizer slots and writes the weights and slots back (`memory.plan.optimizer_memory` counts the slots).
+A transfer is charged to the sending device's cell (none between neighbouring chunks on one device): a device that
+overlaps sending with compute does better. Each device then runs the optimizer's update, memory-bound, from the end
+of its own last cell: it reads its weights, gradient sums and optimizer slots and writes the weights and slots back
+(`memory.plan.optimizer_memory` counts the slots). The step ends with the last device's update.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def predict_step(pipe: InstantiableParams, train: Params, device: Accelerator, h
                  path: str = "task.network") -> dict[str, Any]:
     """The predicted step of the GPipe Params `pipe` trained with `train` (its optimizer) on `device` (see the
     module doc): {"schedule", "num_stages", "num_micro_batches", "remat", "compute_dtype", "batch",
-    "step_seconds", "pipeline_seconds" (the simulated makespan), "update_seconds", "bubble",
+    "step_seconds", "pipeline_seconds" (the simulated makespan), "update_seconds" (what the updates add to it),
+    "bubble",
     "examples_per_second", "step_flops", "chunk_seconds" (each chunk's forward and backward of one micro-batch)}.
 
     Raises ParamsError or ConfigError where the plan cannot be made or a layer cannot say its flops."""
@@ -57,18 +59,24 @@ def predict_step(pipe: InstantiableParams, train: Params, device: Accelerator, h
     for c, w in enumerate(work):
         compute = w.forward_flops / rate
         sums = 3 * w.params * variable_bytes / device.memory_bandwidth if m > 1 else 0.0
-        forward.append(max(_TINY, compute + device.transfer_seconds(w.output_bytes)))
+        # Neighbouring chunks on one device (a V's turn) hand their tensors over without a transfer.
+        sends = 0 < c + 1 < len(work) and order.device(c + 1) != order.device(c)
+        returns = c > 0 and order.device(c - 1) != order.device(c)
+        forward.append(max(_TINY, compute + (device.transfer_seconds(w.output_bytes) if sends else 0.0)))
         weights.append(compute + sums)
         backward.append(max(_TINY, 2 * compute + (compute if plan.remat[c] else 0.0) + sums
-                            + device.transfer_seconds(w.input_bytes)))
+                            + (device.transfer_seconds(w.input_bytes) if returns else 0.0)))
     share = min(0.99, max(0.01, sum(weights) / sum(backward)))
     timeline = predict(order, m, stage_costs=forward, backward_costs=backward, weight_fraction=share)
     slots = optimizer_memory(train.optimizer).slots
-    per_device = [0] * plan.num_devices
+    held = [0] * plan.num_devices
     for c, w in enumerate(work):
-        per_device[order.device(c)] += w.params
-    update = max(per_device) * variable_bytes * (3 + 2 * slots) / device.memory_bandwidth
-    step = timeline.makespan + update
+        held[order.device(c)] += w.params
+    updates = [n * variable_bytes * (3 + 2 * slots) / device.memory_bandwidth for n in held]
+    # A device updates its weights once its own last cell has ended, beside the others' remaining cells.
+    ends = [max(cell.end for cell in timeline.cells if cell.stage == d) for d in range(plan.num_devices)]
+    step = max(end + update for end, update in zip(ends, updates))
+    update = step - timeline.makespan
     batch = batch_rows(pipe.micro_batch_shape, m)
     return {"schedule": order.name, "num_stages": plan.num_devices, "num_micro_batches": m, "remat": pipe.remat,
             "compute_dtype": dtype, "batch": batch, "step_seconds": step, "pipeline_seconds": timeline.makespan,

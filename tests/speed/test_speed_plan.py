@@ -131,3 +131,33 @@ def test_presets_and_custom_devices():
         accelerators.resolve(None, flops=2e14)
     with pytest.raises(ConfigError, match=r"--accelerator_bandwidth=-1.0 is invalid: give a positive number"):
         accelerators.resolve("a100", bandwidth=-1.0)
+
+
+def test_a_vs_turn_sends_nothing_and_each_device_updates_after_its_own_last_cell():
+    slow_link = Accelerator("link", {"float32": 1e9}, 2 ** 30, 1e6, link_bandwidth=1e6, link_latency=1e-3,
+                            efficiency=1.0)
+    pipe = _pipe([16] * 5, [1, 1, 1, 1], micro_batch_shape=(2, 16), num_micro_batches=1, schedule="zero_bubble_v")
+    pipe.set(num_stages=2)  # 4 chunks on 2 devices: 0, 1 | 1, 0
+    step = predict_step(pipe, _train(), slow_link)
+    compute, send = 2 * 2 * 16 * 16 / 1e9, 1e-3 + 2 * 16 * 4 / 1e6
+    forwards = [f for f, _ in step["chunk_seconds"]]
+    backwards = [b for _, b in step["chunk_seconds"]]
+    assert forwards == pytest.approx([compute + send, compute, compute + send, compute])
+    assert backwards == pytest.approx([2 * compute, 2 * compute + send, 2 * compute, 2 * compute + send])
+    # M=1 runs the chunks one after another: device 1 (chunks 1, 2) ends before device 0's last backward, and its
+    # update overlaps that backward; device 0's update ends the step.
+    update = 2 * (16 * 16 + 16) * 4 * (3 + 2 * optimizer_memory(_train().optimizer).slots) / 1e6
+    assert step["pipeline_seconds"] == pytest.approx(sum(forwards) + sum(backwards))
+    assert step["step_seconds"] == pytest.approx(step["pipeline_seconds"] + update)
+    assert step["update_seconds"] == pytest.approx(update)
+
+
+def test_a_device_whose_update_is_longer_ends_the_step_from_its_own_last_cell():
+    pipe = _pipe([16, 16, 512], [1, 1], micro_batch_shape=(2, 16), num_micro_batches=1)  # stage 1: 32x the weights
+    step = predict_step(pipe, _train(), DEVICE)
+    (f0, b0), (f1, b1) = step["chunk_seconds"]
+    per_weight = 4 * (3 + 2 * optimizer_memory(_train().optimizer).slots) / 1e9
+    device_0_ends, device_1_ends = f0 + f1 + b1 + b0, f0 + f1 + b1
+    expected = max(device_0_ends + (16 * 16 + 16) * per_weight, device_1_ends + (16 * 512 + 512) * per_weight)
+    assert step["step_seconds"] == pytest.approx(expected)
+    assert expected < device_0_ends + (16 * 512 + 512) * per_weight  # not the makespan plus the largest update

@@ -106,17 +106,33 @@ def cells_of_step(per_worker: Sequence[list[Event]], window: tuple[float, float]
     return cells
 
 
+# Ops set apart from a cell's work: leading or trailing ops holding under LONE_SHARE of the cell's op time, separated
+# from the rest by a gap longer than GAP_SHARE of it.
+LONE_SHARE = 0.05
+GAP_SHARE = 0.1
+
+
 def _span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
-    """The interval a cell's ops cover, without leading or trailing ops set apart from the rest by a gap longer
-    than all of the cell's op time: an op that waits for nothing (e.g. broadcasting the loss gradient's seed) runs
-    as soon as its loop iteration starts and would otherwise stretch the cell back over other cells' work."""
+    """The interval a cell's ops cover, without leading or trailing ops set apart from its work: an op that waits for
+    nothing (e.g. broadcasting the loss gradient's seed, or reading a weight) runs as soon as its loop iteration
+    starts, and would otherwise draw the cell from before its input arrived (`LONE_SHARE`, `GAP_SHARE`)."""
     ops = sorted(intervals)
     total = sum(end - start for start, end in ops)
-    while len(ops) > 1 and ops[1][0] - ops[0][1] > total:
-        ops.pop(0)
-    while len(ops) > 1 and ops[-1][0] - max(end for _, end in ops[:-1]) > total:
-        ops.pop()
-    return ops[0][0], max(end for _, end in ops)
+
+    def cut(ops: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        held, reach = 0.0, ops[0][1]
+        for i in range(len(ops) - 1):
+            held += ops[i][1] - ops[i][0]
+            reach = max(reach, ops[i][1])
+            if held > LONE_SHARE * total:
+                break
+            if ops[i + 1][0] - reach > GAP_SHARE * total:
+                return ops[i + 1:]
+        return ops
+
+    ops = cut(ops)
+    ops = [(-end, -start) for start, end in cut(sorted((-end, -start) for start, end in ops))]
+    return min(start for start, _ in ops), max(end for _, end in ops)
 
 
 def trace_step(profiler_addresses: Sequence[str], run_step: Callable[[], object], step_seconds: float,

@@ -198,3 +198,14 @@ def test_saved_timelines_round_trip_and_old_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="holds schedule='mine': --repredict reads the files of --timeline, whose "
                                          "schedules are fill_drain, one_f_one_b"):
         bench_pipeline.repredict(str(tmp_path), "tiny")
+
+
+def test_a_cell_is_drawn_from_its_work_not_from_ops_that_ran_before_its_input():
+    # Stage 1's forward of micro-batch 0 in a fill-drain step on this machine: two ops that wait for nothing ran at
+    # 1.7 ms, its work from 71.9 ms (after stage 0's forward of it, 70 ms). Its span starts at its work.
+    work = [(0.0719 + 0.001 * j, 0.0719 + 0.001 * j + 0.0009) for j in range(70)]
+    start, end = measured_timeline._span([(0.0017, 0.00171), (0.00171, 0.00172)] + work)
+    assert (start, end) == pytest.approx((0.0719, work[-1][1]))
+    # Trailing ops apart from the work are cut the same way; ops that are a real share of the work are kept.
+    assert measured_timeline._span(work + [(0.5, 0.50001)]) == pytest.approx((0.0719, work[-1][1]))
+    assert measured_timeline._span([(0.0, 0.01)] + work)[0] == 0.0

@@ -97,6 +97,9 @@ def speed_plan(pipe: InstantiableParams, train: Params, device: Accelerator, num
     prediction (`predict_step`), "max_peak", "fits"}], "skipped": how many candidates the pipeline refuses}.
 
     `device_memory` defaults to the device's memory."""
+    if pipe.micro_batch_shape is None:
+        raise ConfigError(f"speed plan: {path}.micro_batch_shape is not set, so the flops per micro-batch are "
+                          f"unknown; set it, e.g. --params={path}.micro_batch_shape=[B/M, T],{path}.input_dtype=int32")
     budget = device.memory_bytes if device_memory is None else device_memory
     rows, skipped, current = [], 0, None
     changes = candidates(pipe, num_devices)

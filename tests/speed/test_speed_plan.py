@@ -99,6 +99,10 @@ def test_the_search_ranks_what_fits_by_predicted_step_and_keeps_the_batch():
     text = "\n".join(search.format_speed_plan(plan))
     assert f"--params={best['params']}" in text, text
 
+    unshaped = pipe.copy().set(micro_batch_shape=None)
+    with pytest.raises(ConfigError, match=r"task.network.micro_batch_shape is not set.*--params=task.network"):
+        search.speed_plan(unshaped, _train(), DEVICE, num_devices=4)
+
     tight = search.speed_plan(pipe, _train(), DEVICE, num_devices=4, device_memory=1024)
     assert tight["fastest"] is None and not any(r["fits"] for r in tight["rows"])
     assert "no configuration fits" in "\n".join(search.format_speed_plan(tight))

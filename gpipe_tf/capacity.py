@@ -23,6 +23,7 @@ from gpipe_tf.layers.base_layer import count_params
 from gpipe_tf.memory.head import task_head
 from gpipe_tf.memory.plan import plan_pipeline
 from gpipe_tf.memory.sizes import human
+from gpipe_tf.speed.search import stage_counts
 
 
 def largest(fits: Callable[[int], bool], low: int, high: int, step: int = 1) -> int | None:
@@ -37,16 +38,6 @@ def largest(fits: Callable[[int], bool], low: int, high: int, step: int = 1) -> 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
     return lo * step
-
-
-def stage_counts(max_devices: int) -> list[int]:
-    """1, 2, 4, ... up to `max_devices`, and `max_devices` itself."""
-    if max_devices < 1:
-        raise ConfigError(f"capacity: {max_devices} devices; give at least 1")
-    counts = [1]
-    while counts[-1] * 2 <= max_devices:
-        counts.append(counts[-1] * 2)
-    return counts if counts[-1] == max_devices else counts + [max_devices]
 
 
 def _check_knob(model: str, knob: str) -> int:

@@ -30,7 +30,9 @@ MAX_MICRO_BATCHES = 64
 
 
 def stage_counts(max_devices: int) -> list[int]:
-    """1, 2, 4, ... up to `max_devices`, and `max_devices` itself."""
+    """1, 2, 4, ... up to `max_devices`, and `max_devices` itself; a ConfigError below 1 device."""
+    if max_devices < 1:
+        raise ConfigError(f"{max_devices} devices; give at least 1")
     counts = [1]
     while counts[-1] * 2 <= max_devices:
         counts.append(counts[-1] * 2)

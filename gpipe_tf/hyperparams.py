@@ -727,6 +727,8 @@ class Params:
             value = value if parsed and isinstance(value, str) else text
         elif current is None:
             value = value if parsed else text
+        elif parsed and value is None and _defaults_to_none(parent, name):
+            pass  # an optional field (its class's default is None) set back to None, e.g. balance=None
         else:
             _, kind, example, accepts, convert = next(
                 (k for k in _KINDS if k[0](current)),
@@ -745,6 +747,12 @@ class Params:
                 return self
         parent._values[name] = value
         return self
+
+
+def _defaults_to_none(node: Params, name: str) -> bool:
+    """Whether field `name` of `node` is None in the default Params of `node`'s class (an optional field)."""
+    defaults = _default_params(node.cls) if isinstance(node, InstantiableParams) else None
+    return defaults is not None and name in defaults._values and defaults._values[name] is None
 
 
 def _default_params(cls: Any) -> InstantiableParams | None:

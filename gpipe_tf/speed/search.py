@@ -64,29 +64,36 @@ def candidates(pipe: InstantiableParams, num_devices: int) -> list[dict[str, Any
     return out
 
 
-def apply(pipe: InstantiableParams, change: dict[str, Any]) -> InstantiableParams:
-    """`pipe` with `change` made: the batch kept (the micro-batch shape follows M), the balance recomputed by
-    balance_by where K or the chunks per device change, the schedule's own Params kept where it is the same."""
-    new = pipe.copy()
-    new.layers = pipe.layers  # the same layer Params: `estimates.memoized` knows them by identity
+def changed_fields(pipe: InstantiableParams, change: dict[str, Any]) -> dict[str, Any]:
+    """The GPipe fields that make `change` of `pipe`, those that differ from it only: the batch kept (the
+    micro-batch shape follows M), the balance recomputed by balance_by where K or the schedule changes (by flops
+    where it is 'time': timing builds layers), the schedule's own Params kept where it is the same."""
     m = change["num_micro_batches"]
     shape = rescaled_micro_batch_shape(pipe.micro_batch_shape, pipe.num_micro_batches, m)
     if shape is None:
         raise ConfigError(f"num_micro_batches={m} does not divide the batch of "
                           f"{batch_rows(pipe.micro_batch_shape, pipe.num_micro_batches)}")
-    new.set(num_stages=change["num_stages"], num_micro_batches=m, micro_batch_shape=shape, remat=change["remat"])
+    fields: dict[str, Any] = {"num_stages": change["num_stages"], "num_micro_batches": m, "micro_batch_shape": shape,
+                              "remat": change["remat"]}
     if change["schedule"] != _schedule_name(pipe):
-        new.set(schedule=change["schedule"], balance=None)
-    if change["num_stages"] != pipe.num_stages:
-        new.set(balance=None)
-    if new.balance is None and new.balance_by == "time":
-        new.set(balance_by="flops")  # timing builds layers: a plan from Params balances by flops instead
-    return new
+        fields["schedule"] = change["schedule"]
+    if "schedule" in fields or change["num_stages"] != pipe.num_stages:
+        fields["balance"] = None
+        if pipe.balance_by == "time":
+            fields["balance_by"] = "flops"
+    return {key: value for key, value in fields.items() if value != pipe.get(key)}
 
 
-def override_text(change: dict[str, Any], path: str) -> str:
-    """The --params text that selects `change`."""
-    fields = dict(change)
+def apply(pipe: InstantiableParams, fields: dict[str, Any]) -> InstantiableParams:
+    """A copy of `pipe` with `fields` (`changed_fields`) set; its layer Params are `pipe`'s own objects, which
+    `estimates.memoized` knows by identity."""
+    new = pipe.copy()
+    new.layers = pipe.layers
+    return new.set(**fields)
+
+
+def override_text(fields: dict[str, Any], path: str) -> str:
+    """The --params text that sets `fields` on the pipeline at `path`."""
     return ",".join(f"{path}.{key}={value!r}" for key, value in fields.items())
 
 
@@ -108,7 +115,8 @@ def speed_plan(pipe: InstantiableParams, train: Params, device: Accelerator, num
     with estimates.memoized():
         for j, change in enumerate(changes):
             try:
-                candidate = apply(pipe, change)
+                fields = changed_fields(pipe, change)
+                candidate = apply(pipe, fields)
                 row = {**change, **predict_step(candidate, train, device, head, path)}
                 memory = plan_pipeline(candidate, train, path, budget, head=head)
             except (ConfigError, ParamsError, ValueError):
@@ -116,7 +124,7 @@ def speed_plan(pipe: InstantiableParams, train: Params, device: Accelerator, num
                     raise
                 skipped += 1
                 continue
-            row.update(max_peak=memory["max_peak"], fits=bool(memory["fits"]), params=override_text(change, path))
+            row.update(max_peak=memory["max_peak"], fits=bool(memory["fits"]), params=override_text(fields, path))
             if j == 0:
                 current = row
             rows.append(row)

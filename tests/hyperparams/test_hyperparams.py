@@ -659,3 +659,16 @@ def test_is_class_default_reads_the_defaults_of_the_nearest_class_above_the_fiel
     assert not root.is_class_default("layers[1]")
     with pytest.raises(ParamsError, match="no 'layers\\[2\\]'"):
         root.is_class_default("layers[2]")
+
+
+def test_override_sets_an_optional_field_back_to_none_only_where_its_class_default_is():
+    from gpipe_tf.gpipe.pipeline import GPipe
+
+    p = GPipe.params().set(balance=[2, 4], num_stages=2)
+    p.override("balance", "None")  # GPipe's default balance is None: the command line can clear it again
+    assert p.balance is None
+    with pytest.raises(ParamsError, match=r"num_stages: cannot set 'None' \(expected int"):
+        p.override("num_stages", "None")  # its default is 1: None is no value of it
+    plain = _override_tree()  # no class gives defaults: a field holding a list takes lists only
+    with pytest.raises(ParamsError, match=r"train.dims: cannot set 'None' \(expected list"):
+        plain.override("train.dims", "None")

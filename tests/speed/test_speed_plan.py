@@ -165,3 +165,20 @@ def test_a_device_whose_update_is_longer_ends_the_step_from_its_own_last_cell():
     expected = max(device_0_ends + (16 * 16 + 16) * per_weight, device_1_ends + (16 * 512 + 512) * per_weight)
     assert step["step_seconds"] == pytest.approx(expected)
     assert expected < device_0_ends + (16 * 512 + 512) * per_weight  # not the makespan plus the largest update
+
+
+def test_the_printed_override_selects_the_configuration_it_was_predicted_for():
+    # An explicit balance of the experiment's K: the fastest configuration on 4 devices has another K, so its
+    # override must clear the balance (and keep the batch) for the run to be the one predicted.
+    key = "toy.classifier.BlobsMlpGPipe"
+    params, _ = experiment.resolve_params(key, overrides="task.network.balance=[2, 4]")
+    path, pipe = find_pipelines(params.task)[0]
+    plan = search.speed_plan(pipe, params.train, accelerators.accelerator("a100"), 4, head=task_head(params.task, path),
+                             path=path)
+    fastest = plan["fastest"]
+    assert fastest["num_stages"] != 2 and "task.network.balance=None" in fastest["params"], fastest
+    chosen, _ = experiment.resolve_params(key, overrides=f"task.network.balance=[2, 4],{fastest['params']}")
+    _, run = find_pipelines(chosen.task)[0]
+    again = predict_step(run, chosen.train, accelerators.accelerator("a100"), task_head(chosen.task, path), path)
+    assert again["step_seconds"] == pytest.approx(fastest["step_seconds"], rel=1e-12)
+    assert again["batch"] == fastest["batch"]

@@ -16,8 +16,8 @@ unbalanced and gives neither. error = predicted / paper - 1.
 `--cpu` checks the same plan against step times measured on this machine: two faithful devices (single-thread TF
 worker processes, `bench.pipeline`'s workload (a) and train step), every schedule at K=2, M in {1, 4, 8}. The CPU
 device is measured once: its FLOP/s on the workload's own layers (the one-worker step, K=1, at the same M: its
-flops over its time, the update's predicted share taken out; the schedules then differ only by what the plan
-simulates), the link (a tensor sent from worker 0 to worker 1 at two sizes: latency and
+flops over its time, the predicted memory-bound share (gradient sums, update) taken out; the schedules then differ
+only by what the plan simulates), the link (a tensor sent from worker 0 to worker 1 at two sizes: latency and
 bandwidth) and the memory bandwidth (an add of two 64 MiB tensors on one worker). error = predicted / measured - 1.
 """
 
@@ -50,19 +50,15 @@ def _pipeline(model: str, knobs: dict[str, Any]) -> tuple[Any, Any, str, Any]:
     return pipe, params.train, path, task_head(params.task, path)
 
 
-def _even_balance(num_layers: int, k: int) -> list[int]:
-    return [num_layers // k + (1 if j < num_layers % k else 0) for j in range(k)]
-
-
 def predict_table(name: str, device: Any, amoeba_balance: str) -> dict[int, list[float]]:
     """{M: [predicted throughput at K=2, 4, 8]} of model `name`, normalized to K=2, M=1."""
+    from gpipe_tf.gpipe import partition
     from gpipe_tf.gpipe.batch_shapes import rescaled_micro_batch_shape
     from gpipe_tf.speed.step import predict_step
 
     model, knobs, batch = _MODELS[name]
     pipe, train, path, head = _pipeline(model, knobs)
-    per_micro = pipe.micro_batch_shape
-    first = [batch] + list(per_micro[1:])  # the whole batch as one micro-batch
+    first = [batch] + list(pipe.micro_batch_shape[1:])  # the whole batch as one micro-batch
     out: dict[int, list[float]] = {}
     for m in MICRO_BATCHES:
         row = []
@@ -70,7 +66,7 @@ def predict_table(name: str, device: Any, amoeba_balance: str) -> dict[int, list
             p = pipe.copy().set(num_stages=k, num_micro_batches=m, schedule="fill_drain", remat="always",
                                 micro_batch_shape=rescaled_micro_batch_shape(first, 1, m))
             if name.startswith("AmoebaNet") and amoeba_balance == "layers":
-                p.set(balance=_even_balance(len(p.layers), k))
+                p.set(balance=partition.balance_costs([1.0] * len(p.layers), k))  # the same layers per partition
             elif name.startswith("AmoebaNet"):
                 p.set(balance=None, balance_by="params")
             else:
@@ -195,8 +191,11 @@ def cpu_check(repeats: int) -> list[str]:
     within = 0
     for config in configs:
         k, m, schedule = config
+        # At 1 FLOP/s the one-worker step's compute takes step_flops seconds; the rest of its predicted time is
+        # memory-bound (gradient sums, update), which the rate must not absorb: the K=2 prediction adds it again.
         one = predict_step(_bench_pipe(1, m, "unrolled"), train, device)
-        rate = one["step_flops"] / max(1e-9, measured[(1, m, "unrolled")] - one["update_seconds"])
+        memory_bound = one["step_seconds"] - one["step_flops"]
+        rate = one["step_flops"] / max(1e-9, measured[(1, m, "unrolled")] - memory_bound)
         if k == 1:
             lines.append(f"{k:>2} {m:>2}  {schedule:<14} {measured[config]:>9.4f}s {'':>10} {'':>8}  "
                          f"the device: {rate / 1e9:.1f} GFLOP/s")

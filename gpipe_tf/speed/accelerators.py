@@ -73,6 +73,8 @@ _TPU_ASSUMES = ("one TensorCore per pipeline stage (half a chip's peak, memory a
                 "matmuls at the bfloat16 rate (XLA's default precision on TPU multiplies in one bfloat16 pass); "
                 "neighbouring cores one inter-chip link apart")
 _GPU_ASSUMES = "neighbouring GPUs one NVLink link apart"
+_NVSWITCH_ASSUMES = ("float32 matmuls at the TF32 rate (TensorFlow enables TF32 on Ampere and later by default); "
+                     "every NVLink link of the device towards its pipeline neighbour (an NVSwitch system)")
 
 PRESETS: dict[str, Accelerator] = {
     "tpu_v2": Accelerator(
@@ -99,14 +101,12 @@ PRESETS: dict[str, Accelerator] = {
         "a100", {"float32": 156e12, "bfloat16": 312e12, "float16": 312e12}, 80 * GIB, 2039e9, 300e9,
         source="NVIDIA A100 80GB SXM datasheet (156 TFLOP/s TF32, 312 bfloat16/float16 dense, 80 GB HBM2e at "
                "2,039 GB/s, NVLink 3: 600 GB/s both directions)",
-        assumes="float32 matmuls at the TF32 rate (TensorFlow enables TF32 on Ampere by default); every NVLink link "
-                "of the device towards its pipeline neighbour (an NVSwitch system)"),
+        assumes=_NVSWITCH_ASSUMES),
     "h100": Accelerator(
         "h100", {"float32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12}, 80 * GIB, 3350e9, 450e9,
         source="NVIDIA H100 SXM5 datasheet (494.7 TFLOP/s TF32, 989.4 bfloat16/float16 dense, 80 GB HBM3 at "
                "3.35 TB/s, NVLink 4: 900 GB/s both directions)",
-        assumes="float32 matmuls at the TF32 rate (TensorFlow's default); every NVLink link of the device towards "
-                "its pipeline neighbour (an NVSwitch system)"),
+        assumes=_NVSWITCH_ASSUMES),
 }
 
 

@@ -106,7 +106,7 @@ def isolated_stages(model: str, gin: tuple[str, ...], overrides: str) -> tuple[A
         traces = stage_lib.trace_layers(layers, spec, names)
         setting = stage_lib.StageSetting(
             micro_batches=stashes[s], stashed=stashes[s], remat=plan.remat[s], first=True, last=True,
-            outputs_kept=True, input_gradient=s > 0, variable_bytes=tf.as_dtype(pipe.dtype or "float32").size,
+            kept_outputs=2 * stashes[s], input_gradient=s > 0, variable_bytes=tf.as_dtype(pipe.dtype or "float32").size,
             compute_bytes=compute.size, optimizer=plan_lib.optimizer_memory(params.train.optimizer))
         stages.append({"layers": layers, "names": list(names), "spec": spec, "stashed": stashes[s],
                        "remat": plan.remat[s], "predicted": stage_lib.stage_memory(traces, spec, setting),

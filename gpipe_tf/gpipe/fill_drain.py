@@ -30,6 +30,13 @@ Where things live, and why (checked on the placed graph, `tests/pipeline/test_pi
   are pushed on that device. Only boundary activations, their gradients and the loop control cross devices.
 * Rematerialization is the same op recomputing its forward pass in its gradient, once the boundary gradient
   has arrived (`remat.stage_op`; `remat.py` says why not `tf.recompute_grad`).
+* Given the task's loss (`run_with_loss`, how tasks run it), the last chunk computes each micro-batch's loss in the
+  forward loop, right after its forward, and, when training, the gradient of its output and of the head's
+  weights (seeded with `PipelineLoss.gradient_seed`, as the windowed loop does): one micro-batch's logits exist
+  at a time, as in GPipe, where the whole mini-batch's would fill the last device. The loss is one op whose
+  gradient in the backward loop is that output gradient, rescaled to the caller's; the head's weight gradients
+  are summed in loop variables. Only the output gradients wait for the backward (one output's size per
+  micro-batch, where the loop without a loss keeps the outputs).
 * With `batch_weight_gradients`, the matmul weights' gradients are not summed in the backward loop: each matmul's
   input and output gradient leave the loop as the gradients of TensorLists the forward reads placeholders from,
   and after it each weight's gradient is one matmul on its chunk's device (`batched_weights.RoutedStashes`).
@@ -37,16 +44,17 @@ Where things live, and why (checked on the placed graph, `tests/pipeline/test_pi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 
 from gpipe_tf.gpipe import batched_weights, loop_parts, microbatch, orders, placement
-from gpipe_tf.gpipe.leaves import is_float, with_float_leaves
+from gpipe_tf.gpipe.leaves import float_leaves, is_float, with_float_leaves
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import stage_op
-from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule
+from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 
 
@@ -75,23 +83,31 @@ class FillDrain(Schedule, short_name="fill_drain"):
     def step_order(self, num_devices: int) -> ScheduleOrder:
         """GPipe's order: every forward, then the backwards from the last micro-batch to the first (with the
         weight gradients batched after each stage's last backward if `batch_weight_gradients`)."""
-        return batched_weights.apply_knob(orders.fill_drain(num_devices), self.p)
+        order = dataclasses.replace(orders.fill_drain(num_devices), head_in_forward=True)
+        return batched_weights.apply_knob(order, self.p)
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """Runs the job's micro-batches in one placed while loop; see the module doc."""
         return run_loop(job, inputs, self.p.parallel_iterations, self.p.batch_weight_gradients and job.training)
 
+    def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
+        """The loop with each micro-batch's loss on the last chunk, right after its forward; see the module doc."""
+        return run_loop(job, inputs, self.p.parallel_iterations, self.p.batch_weight_gradients and job.training, loss)
 
-def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1,
-             batch_weight_gradients: bool = False) -> tuple[Any, dict[str, Any] | None]:
-    """The fill-drain loop of the module doc on `job`: (outputs, summed aux statistics or None). Also the forward
-    pass of the schedules that run their backward inside the forward (1F1B) when no gradient is taken.
+
+def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1, batch_weight_gradients: bool = False,
+             loss: PipelineLoss | None = None) -> tuple[Any, dict[str, Any] | None]:
+    """The fill-drain loop of the module doc on `job`: (outputs, or with `loss` {name: sum over the batch}; summed
+    aux statistics or None). Also the forward pass of the schedules that run their backward inside the forward
+    (1F1B) when no gradient is taken.
 
     parallel_iterations: loop iterations (micro-batches) each device runs at once.
     batch_weight_gradients: route the watched matmuls' inputs and output gradients out of the backward loop and
       compute each weight's gradient once after it (`batched_weights.RoutedStashes`).
+    loss: the task's loss, run per micro-batch on the last chunk (its "loss" sum is differentiable as
+      `Schedule.run_with_loss` says); None: the outputs are returned.
     """
-    return FillDrainLoop(job, inputs, parallel_iterations, batch_weight_gradients).run()
+    return FillDrainLoop(job, inputs, parallel_iterations, batch_weight_gradients, loss).run()
 
 
 class LoopState(NamedTuple):
@@ -103,25 +119,37 @@ class LoopState(NamedTuple):
     weights: tuple  # per chunk, its weights, passed through unchanged (see the module doc)
     route_counters: tuple  # with batched weight gradients, per chunk, the counter indexing its placeholders
     aux_sums: tuple  # the sums of the auxiliary statistics (`PipelineJob.aux_spec`), flat
-    outputs: tuple  # the output's leaves per micro-batch: TensorArrays on the last chunk
+    outputs: tuple  # the output's leaves per micro-batch: TensorArrays on the last chunk; () with a loss
+    head_weights: tuple = ()  # with a loss, the loss head's weights, passed through unchanged
+    head_sums: tuple = ()  # with a loss when training, the sums of the head's weight gradients (seeded)
+    values: tuple = ()  # with a loss, the sums of its values, in `FillDrainLoop.names` order
 
 
 class FillDrainLoop:
-    """The loop of the module doc for one job: `run` builds it, its gradient is TensorFlow's."""
+    """The loop of the module doc for one job (and the task's loss, if given): `run` builds it, its gradient is
+    TensorFlow's."""
 
-    def __init__(self, job: PipelineJob, inputs: Any, parallel_iterations: int, batch_weight_gradients: bool) -> None:
-        self.job, self.parallel_iterations = job, parallel_iterations
+    def __init__(self, job: PipelineJob, inputs: Any, parallel_iterations: int, batch_weight_gradients: bool,
+                 loss: PipelineLoss | None = None) -> None:
+        self.job, self.parallel_iterations, self.loss = job, parallel_iterations, loss
         self.batch_weight_gradients = batch_weight_gradients
-        self.arguments = loop_parts.OpArguments.of(job, inputs)
+        self.arguments = loop_parts.OpArguments.of(job, inputs, loss.head_weights if loss is not None else ())
+        self.value_spec = loop_parts.loss_value_spec(loss, job) if loss is not None else {}
+        self.names = sorted(self.value_spec)
         # Made inside the custom gradient (`forward`): the split inputs, the routing lists of batched weight
-        # gradients, every output leaf (float or not) and the summed aux statistics.
+        # gradients, every output leaf (float or not), the loss's split targets, gradient seed and summed values,
+        # and the summed aux statistics.
         self.micro: Any = None
         self.routed: batched_weights.RoutedStashes | None = None
         self.outputs: list[tf.Tensor] = []
+        self.targets: Any = None
+        self.seed: tf.Tensor | None = None
+        self.values: dict[str, tf.Tensor] = {}
         self.aux_sums: dict[str, Any] | None = None
 
     def run(self) -> tuple[Any, dict[str, Any] | None]:
-        """The loop as one `tf.custom_gradient` op: (outputs, summed aux statistics or None)."""
+        """The loop as one `tf.custom_gradient` op: (outputs, or the loss's {name: sum}; summed aux statistics or
+        None)."""
         job = self.job
 
         @tf.custom_gradient
@@ -129,45 +157,62 @@ class FillDrainLoop:
             split = self.arguments.stopped(args, job.devices[0])
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
-                weights_out = self.forward(tape, split)
-            out_float = [t for t in self.outputs if is_float(t)]
-            return out_float, lambda *dy: self.gradients(tape, split, weights_out, out_float, dy)
+                final = self.forward(tape, split)
+            returned = ([self.values[n] for n in self.names] if self.loss is not None
+                        else [t for t in self.outputs if is_float(t)])
+            return returned, lambda *dy: self.gradients(tape, split, final, returned, dy)
 
-        float_out = iter(pipeline(*self.arguments.flat))
+        returned = pipeline(*self.arguments.flat)
+        if self.loss is not None:
+            return dict(zip(self.names, returned)), self.aux_sums
+        float_out = iter(returned)
         outputs = tf.nest.pack_sequence_as(job.output_spec,
                                            [next(float_out) if is_float(o) else o for o in self.outputs])
         return outputs, self.aux_sums
 
-    def forward(self, tape: tf.GradientTape, split: loop_parts.SplitArguments) -> tuple:
-        """Every micro-batch through every chunk in one loop, recorded on `tape`: each chunk's weights as the loop
-        returns them (the ends of the gradient sums' loop variables); keeps the outputs and aux sums."""
-        job = self.job
-        tape.watch([w for ws in split.chunk_weights for w in ws] + (split.inputs if job.input_gradient else []))
+    def forward(self, tape: tf.GradientTape, split: loop_parts.SplitArguments) -> LoopState:
+        """Every micro-batch through every chunk in one loop, recorded on `tape`: the final loop state (its weights
+        are the ends of the gradient sums' loop variables); keeps the outputs or the loss's values, and the aux
+        sums."""
+        job, loss = self.job, self.loss
+        tape.watch([w for ws in split.chunk_weights for w in ws] + (split.inputs if job.input_gradient else [])
+                   + (split.head_weights if loss is not None and not job.training else []))
         with tf.device(job.devices[0]):
             self.micro = microbatch.split(with_float_leaves(self.arguments.inputs, split.inputs),
                                           job.num_micro_batches)
         self.routed = _routed_stashes(job, split.chunk_weights, self.micro) if self.batch_weight_gradients else None
         if self.routed is not None:
             tape.watch(self.routed.sources)
+        arrays, head_sums, values = (), (), ()
         with tf.device(job.devices[-1]):
-            arrays = tuple(tf.TensorArray(sp.dtype, size=job.num_micro_batches, element_shape=sp.shape)
-                           for sp in tf.nest.flatten(job.output_spec))
+            if loss is None:
+                arrays = tuple(tf.TensorArray(sp.dtype, size=job.num_micro_batches, element_shape=sp.shape)
+                               for sp in tf.nest.flatten(job.output_spec))
+            else:
+                self.targets = microbatch.split(loss.targets, job.num_micro_batches)
+                if job.training:
+                    self.seed = tf.constant(1.0) if loss.gradient_seed is None else tf.identity(loss.gradient_seed)
+                    # Half-precision head weights (cast by the task) still sum their gradients in float32.
+                    head_sums = tuple(tf.zeros(w.shape, loop_parts.sum_dtype(w.dtype)) for w in split.head_weights)
+                values = tuple(tf.zeros(self.value_spec[n].shape, self.value_spec[n].dtype) for n in self.names)
             aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in tf.nest.flatten(job.aux_spec))
         last, first = loop_parts.counters([job.devices[-1], job.devices[0]])
         route_counters = tuple(loop_parts.counters(job.devices)) if self.routed is not None else ()
         # The weights are loop variables passed through unchanged: their gradient is a loop variable of the
         # backward loop that starts from the zeros made in `gradients`, on the chunk's device, and sums there.
         state = LoopState(last=last, first=first, weights=tuple(tuple(ws) for ws in split.chunk_weights),
-                          route_counters=route_counters, aux_sums=aux_zeros, outputs=arrays)
+                          route_counters=route_counters, aux_sums=aux_zeros, outputs=arrays,
+                          head_weights=tuple(split.head_weights), head_sums=head_sums, values=values)
         final = loop_parts.host_loop(self.body, state, job.num_micro_batches, self.parallel_iterations)
         with tf.device(job.devices[-1]):
             self.outputs = [microbatch.merge(a.stack()) for a in final.outputs]
+        self.values = dict(zip(self.names, final.values))
         if job.aux_spec:
             self.aux_sums = tf.nest.pack_sequence_as(job.aux_spec, list(final.aux_sums))
-        return final.weights
+        return final
 
     def body(self, state: LoopState) -> LoopState:
-        """One micro-batch through every chunk, its output written on the last chunk."""
+        """One micro-batch through every chunk, then its output written (or its loss computed) on the last chunk."""
         job = self.job
         first, _, h, ctx = loop_parts.next_micro_batch(job, state.first, self.micro, bool(job.aux_spec))
         route_counters = []
@@ -181,42 +226,93 @@ class FillDrainLoop:
                     stash, extra = self.routed.stash(c), self.routed.placeholders(c, route_counters[-1] - 1)
                 h = stage_op(loop_parts.chunk_fn(job, c, ctx), list(state.weights[c]) + extra, h,
                              c > 0 or job.input_gradient, job.plan.remat[c], job.devices[c], stash)
-        aux_sums = state.aux_sums
+        state = state._replace(first=first, route_counters=tuple(route_counters))
         with placement.on_stage(job.chunk_scopes[-1]):
             last = state.last + 1
             index = last - 1  # a tensor of this chunk (the loop's own input would be kept elsewhere)
-            outputs = tuple(a.write(index, leaf) for a, leaf in zip(state.outputs, tf.nest.flatten(h)))
+            if self.loss is None:
+                state = state._replace(outputs=tuple(a.write(index, leaf)
+                                                     for a, leaf in zip(state.outputs, tf.nest.flatten(h))))
+            else:
+                state = self.loss_step(state, h, index, ctx)
             if job.aux_spec:
                 stats = loop_parts.aux_statistics(job, ctx)
-                aux_sums = tuple(total + st for total, st in zip(aux_sums, stats))
-        return LoopState(last=last, first=first, weights=state.weights, route_counters=tuple(route_counters),
-                         aux_sums=aux_sums, outputs=outputs)
+                state = state._replace(aux_sums=tuple(total + st for total, st in zip(state.aux_sums, stats)))
+        return state._replace(last=last)
 
-    def gradients(self, tape: tf.GradientTape, split: loop_parts.SplitArguments, weights_out: tuple,
-                  out_float: list[tf.Tensor], dy: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def loss_step(self, state: LoopState, outputs: Any, index: tf.Tensor, ctx: Any) -> LoopState:
+        """Micro-batch `index`'s loss on its `outputs` (on the last chunk), its values added to the sums. When
+        training, one op whose gradient is the output gradient computed here (so TensorFlow's backward loop keeps
+        that gradient, not the loss's logits), and the head's weight gradients added to their sums."""
+        names = self.names
+        if not self.job.training:
+            got = loop_parts.micro_batch_loss(self.loss, state.head_weights, outputs, self.targets, index, None,
+                                              ctx).values
+            return state._replace(values=tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(state.values, names)))
+        floats = float_leaves(outputs)
+        device = self.job.devices[-1]
+
+        @tf.custom_gradient
+        def loss_op(*outs: tf.Tensor) -> Any:
+            cell = loop_parts.micro_batch_loss(self.loss, state.head_weights, with_float_leaves(outputs, list(outs)),
+                                               self.targets, index, self.seed, ctx)
+
+            def grad(*upstream: tf.Tensor) -> list[tf.Tensor]:
+                with tf.device(device):
+                    d_loss = upstream[names.index("loss")]
+                    return [g * loop_parts.rescale(d_loss, self.seed, g.dtype) for g in cell.output_gradients]
+
+            # The head's gradients leave through this op too: its gradient stops there, so TensorFlow's backward
+            # loop never differentiates the loss's own backward (which would keep every micro-batch's logits).
+            return [cell.values[n] for n in names] + list(cell.head_gradients), grad
+
+        returned = loss_op(*floats)
+        got = dict(zip(names, returned[:len(names)]))
+        head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(state.head_sums, returned[len(names):]))
+        return state._replace(values=tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(state.values, names)),
+                              head_sums=head_sums)
+
+    def gradients(self, tape: tf.GradientTape, split: loop_parts.SplitArguments, final: LoopState,
+                  returned: list[tf.Tensor], dy: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """The op's gradients (in `OpArguments.flat` order): TensorFlow's backward loop, its gradient ops on their
-        chunks' devices, with the batched W added after it where the weight gradients are routed."""
+        chunks' devices, with the batched W added after it where the weight gradients are routed; with a loss, the
+        head's summed weight gradients rescaled to the caller's upstream gradient of the "loss" sum."""
         job = self.job
+        if self.loss is not None:  # only the "loss" sum is differentiated; the other values are metric numerators
+            loss_at = self.names.index("loss")
+            returned, dy = [returned[loss_at]], [tf.zeros([], returned[loss_at].dtype) if dy[loss_at] is None
+                                                 else dy[loss_at]]
         with tf.device(job.devices[-1]):
             dy = [tf.identity(d) for d in dy]
+        # Outside training the loss is not one op of its own: TensorFlow differentiates it, in the backward loop, and
+        # the head's weights (loop variables passed through, as the chunks') sum their gradients there.
+        differentiated_head = self.loss is not None and not job.training
+        weight_ends = list(final.weights) + ([final.head_weights] if differentiated_head else [])
         ends, starts = [], []
-        for c in range(job.num_chunks):
-            with tf.device(job.devices[c]):
-                ends += list(weights_out[c])
-                starts += [tf.zeros_like(w) for w in weights_out[c]]
+        for c, ws in enumerate(weight_ends):
+            with tf.device(job.devices[min(c, job.num_chunks - 1)]):
+                ends += list(ws)
+                starts += [tf.zeros_like(w) for w in ws]
         flat_weights = [w for ws in split.chunk_weights for w in ws]
-        wrt = flat_weights + (split.inputs if job.input_gradient else [])
+        inputs = split.inputs if job.input_gradient else []
+        head_weights = split.head_weights if differentiated_head else []
+        wrt = flat_weights + inputs + head_weights
         sources = self.routed.sources if self.routed is not None else []
         # Counters and the outputs (TensorArrays) live on the last chunk; so do their gradients.
         with placement.colocate_gradients(job.devices[-1], placement.host_device()):
-            grads = tape.gradient(out_float + ends, wrt + sources, output_gradients=dy + starts,
+            grads = tape.gradient(returned + ends, wrt + sources, output_gradients=dy + starts,
                                   unconnected_gradients=tf.UnconnectedGradients.NONE)
         if self.routed is not None:  # W: one matmul per watched weight, on its chunk's device
             grads[:len(flat_weights)] = self.routed.add_weight_gradients(grads[len(wrt):], grads[:len(flat_weights)])
         grads = [tf.zeros_like(t) if g is None else g for g, t in zip(grads[:len(wrt)], wrt)]
         sums = grads[:len(flat_weights)]
-        dx = grads[len(flat_weights):] if job.input_gradient else [tf.zeros_like(a) for a in split.inputs]
-        return list(dx) + list(sums)
+        dx = grads[len(flat_weights):len(flat_weights) + len(inputs)] or [tf.zeros_like(a) for a in split.inputs]
+        head = grads[len(flat_weights) + len(inputs):]
+        if self.loss is not None and job.training:  # the sums the loop made, seeded: rescaled to the caller's
+            with tf.device(job.devices[-1]):
+                head = [tf.cast(g * loop_parts.rescale(dy[0], self.seed, g.dtype), w.dtype)
+                        for g, w in zip(final.head_sums, split.head_weights)]
+        return list(dx) + list(sums) + head
 
 
 def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],

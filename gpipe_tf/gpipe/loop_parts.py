@@ -1,5 +1,6 @@
 """The parts every schedule's loop shares (fill-drain's, the windowed loop's, the unrolled schedule's), used by
-calling them: the op's flat arguments, the loop counters and micro-batches, the host loop, the rescaled gradient.
+calling them: the op's flat arguments, the loop counters and micro-batches, one micro-batch's loss, the host loop,
+the rescaled gradient.
 
 Where things live, and why: `fill_drain.py`'s module doc. In short, the While op and its condition (the loop's
 own iteration count) sit on this process's CPU, which runs no stage, so no stage has to answer before the next
@@ -16,8 +17,8 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from gpipe_tf.gpipe import placement
-from gpipe_tf.gpipe.leaves import float_leaves
-from gpipe_tf.gpipe.schedule_base import PipelineJob
+from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
+from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss
 from gpipe_tf.layers.base_layer import FPropContext
 
 
@@ -144,3 +145,68 @@ def rescale(upstream: tf.Tensor | None, seed: tf.Tensor, dtype: tf.DType) -> tf.
     if upstream is None:
         return tf.zeros([], dtype)
     return tf.cast(upstream, dtype) / tf.cast(seed, dtype)
+
+
+def loss_value_spec(loss: PipelineLoss, job: PipelineJob) -> dict[str, tf.TensorSpec]:
+    """The TensorSpecs of `loss.fn`'s values on one micro-batch of `job`, from a trace of it alone (no chunk runs).
+    Raises ValueError unless they are a dict with a 'loss' entry."""
+    m = job.num_micro_batches
+
+    def spec(t: tf.Tensor) -> tf.TensorSpec:
+        return tf.TensorSpec([t.shape[0] // m] + t.shape[1:], t.dtype)
+
+    weight_specs = [tf.TensorSpec(w.shape, w.dtype) for w in loss.head_weights]
+    target_specs = tf.nest.map_structure(spec, loss.targets)
+
+    def trace(weights: list, outputs: Any, targets: Any) -> dict:
+        return loss.fn(weights, outputs, targets, FPropContext(training=True, seed=tf.zeros([2], tf.int64)))
+
+    traced = tf.function(trace, autograph=False).get_concrete_function(weight_specs, job.output_spec, target_specs)
+    values = traced.structured_outputs
+    if not isinstance(values, dict):
+        raise ValueError(f"the pipeline's loss function returned {type(values).__name__}: it must return a dict of "
+                         "scalar sums with a 'loss' entry")
+    if "loss" not in values:
+        raise ValueError(f"the pipeline's loss function returned {sorted(values)}: it must return a 'loss' entry")
+    return {n: tf.TensorSpec(v.shape, v.dtype) for n, v in values.items()}
+
+
+class MicroBatchLoss(NamedTuple):
+    """One micro-batch's loss on the last chunk (`micro_batch_loss`)."""
+
+    values: dict  # {name: this micro-batch's sum}, as `PipelineLoss.fn` returns them
+    output_gradients: list[tf.Tensor]  # the gradient of the output's float leaves, seeded with the gradient seed
+    head_gradients: list[tf.Tensor]  # the same for the loss head's weights
+
+
+def micro_batch_loss(loss: PipelineLoss, head_weights: Sequence[tf.Tensor], outputs: Any, targets: Any,
+                     index: tf.Tensor, seed: tf.Tensor | None, ctx: FPropContext) -> MicroBatchLoss:
+    """Micro-batch `index`'s loss on its `outputs` (call under the last chunk's device and scope): its values and,
+    given a gradient `seed` (a float32 scalar on this device), the gradients of seed x its "loss" value.
+
+    targets: the targets split into micro-batches (`microbatch.split`), indexed here.
+    """
+    with tf.name_scope("loss"):
+        outs = [tf.identity(t) for t in float_leaves(outputs)]
+        # The loss of micro-batch i starts once its output exists. Its logits-sized tensors that need only the
+        # targets (one-hot labels, the broadcast gradient seed) would otherwise be made for every micro-batch at
+        # the start of the loop (the iterations run in parallel) and held until used.
+        with tf.control_dependencies(outs):
+            mine = tf.nest.map_structure(lambda t: tf.identity(t[index]), targets)
+            seed = None if seed is None else tf.identity(seed)
+        tape = tf.GradientTape(watch_accessed_variables=False)
+        with tape:
+            tape.watch(outs + list(head_weights))
+            got = loss.fn(list(head_weights), with_float_leaves(outputs, outs), mine, ctx)
+    if seed is None:
+        return MicroBatchLoss(got, [], [])
+    with tf.name_scope("backward"):
+        seed = tf.cast(seed, got["loss"].dtype)
+        grads = tape.gradient(got["loss"], outs + list(head_weights), output_gradients=seed,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # The output gradient, which starts this micro-batch's backward, leaves once the loss's own sums exist:
+        # the ops that only compute them (the argmax, the summed cross-entropy) are off the backward's path, and
+        # a worker could otherwise run them late and hold the logits of several micro-batches until then.
+        with tf.control_dependencies(list(got.values())):
+            dy = [tf.identity(g) for g in grads[:len(outs)]]
+    return MicroBatchLoss(got, dy, grads[len(outs):])

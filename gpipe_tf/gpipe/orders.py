@@ -62,6 +62,10 @@ class ScheduleOrder:
       forward_waits: (chunk c, chunk t, lag): F(c, i) also waits for F(t, i - lag).
       loss_per_micro_batch: the last chunk computes each micro-batch's loss and its gradient right after its
         forward (1F1B); False: the backward starts from the gradient of the whole output.
+      head_in_forward: the last chunk computes each micro-batch's loss (and its output gradient) right after its
+        forward, though the backward still waits for every forward (FillDrain), so one micro-batch's loss head
+        is alive at a time; implied by loss_per_micro_batch. False with loss_per_micro_batch False: the loss
+        runs once on all M outputs (Unrolled).
       backward_reversed: each chunk's backwards visit micro-batches M-1 .. 0 (GPipe's drain), else 0 .. M-1.
       micro_batch_multiple: M must be a multiple of this (K for Megatron-LM's groups of K micro-batches).
       weight_window: per chunk, how many micro-batches' weight gradients (W) may wait after their input
@@ -78,6 +82,7 @@ class ScheduleOrder:
     in_flight: tuple[int, ...] | None = None
     forward_waits: tuple[tuple[int, int, int], ...] = ()
     loss_per_micro_batch: bool = False
+    head_in_forward: bool = False
     backward_reversed: bool = True
     micro_batch_multiple: int = 1
     weight_window: tuple[int, ...] | None = None
@@ -123,6 +128,12 @@ class ScheduleOrder:
         if self.chunk_devices is not None:
             return self.chunk_devices
         return tuple(c % self.num_devices for c in range(self.num_chunks))
+
+    @property
+    def head_per_micro_batch(self) -> bool:
+        """Whether the loss head works on one micro-batch at a time (`loss_per_micro_batch` or `head_in_forward`);
+        False: on all M outputs at once."""
+        return self.loss_per_micro_batch or self.head_in_forward
 
     def device(self, chunk: int) -> int:
         """The device of chunk `chunk`."""
@@ -199,7 +210,8 @@ def with_batched_weights(order: ScheduleOrder) -> ScheduleOrder:
 
 
 def fill_drain(num_devices: int) -> ScheduleOrder:
-    """GPipe: every forward, then the backwards from the last micro-batch to the first (FillDrain, Unrolled)."""
+    """GPipe: every forward, then the backwards from the last micro-batch to the first (FillDrain, Unrolled). The
+    loss runs on all M outputs at once; `FillDrain.step_order` runs it per micro-batch (`head_in_forward`)."""
     return ScheduleOrder("fill_drain", num_devices)
 
 

@@ -43,7 +43,7 @@ class WindowedSchedule(Schedule):
     """A schedule run by this loop: a subclass states only its order (`own_order`, with in-flight windows).
 
     Training runs forward, loss and backward in this loop; outside training (evaluation, or a caller without a
-    loss) there is no backward order to keep, and fill-drain's forward loop runs.
+    loss) there is no backward order to keep, and fill-drain's forward loop runs (with the loss per micro-batch).
     """
 
     needs_output_spec = True  # fill-drain's forward loop preallocates the outputs
@@ -72,7 +72,7 @@ class WindowedSchedule(Schedule):
     def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
         """Forward, loss and backward of every micro-batch in this loop when training, in the schedule's order."""
         if not job.training:
-            return super().run_with_loss(job, inputs, loss)
+            return fill_drain.run_loop(job, inputs, loss=loss)
         return run_training(job, inputs, loss, self.step_order(job.plan.num_devices))
 
 
@@ -132,10 +132,8 @@ class WindowedLoop:
         self.fills: dict[int, list[int]] = {}  # {chunk t: [index into `waiting`]}: the rings t's forward fills
         for j, c in enumerate(self.waiting):
             self.fills.setdefault(self.waits[c][0], []).append(j)
-        self.value_spec = _loss_value_spec(loss, job, job.num_micro_batches)
+        self.value_spec = loop_parts.loss_value_spec(loss, job)
         self.names = sorted(self.value_spec)
-        if "loss" not in self.value_spec:
-            raise ValueError(f"the pipeline's loss function returned {self.names}: it must return a 'loss' entry")
         # Made inside the custom gradient: the loop's inputs (`prepare`) and the summed aux statistics (`finish`).
         self.micro: Any = None
         self.targets: Any = None
@@ -237,31 +235,10 @@ class WindowedLoop:
         stats = loop_parts.aux_statistics(job, forward.context)
         with placement.on_stage(job.chunk_scopes[-1]):
             last_next = state.last + 1
-            index_last = last_next - 1
-            with tf.name_scope("loss"):
-                outs = [tf.identity(t) for t in float_leaves(forward.outputs)]
-                # The loss of micro-batch i starts once its output exists. Its logits-sized tensors that need only
-                # the targets (one-hot labels, the broadcast gradient seed) would otherwise be made for every
-                # micro-batch at the start of the loop (the iterations run in parallel) and held until used.
-                with tf.control_dependencies(outs):
-                    targets = tf.nest.map_structure(lambda t: tf.identity(t[index_last]), self.targets)
-                    seed = tf.identity(self.seed)
-                tape = tf.GradientTape(watch_accessed_variables=False)
-                with tape:
-                    tape.watch(outs + list(state.head_weights))
-                    got = self.loss.fn(list(state.head_weights), with_float_leaves(forward.outputs, outs), targets,
-                                       forward.context)
-            with tf.name_scope("backward"):
-                seed = tf.cast(seed, got["loss"].dtype)
-                grads = tape.gradient(got["loss"], outs + list(state.head_weights), output_gradients=seed,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                # The output gradient, which starts this micro-batch's backward and so lets the next forward in,
-                # leaves once the loss's own sums exist: the ops that only compute them (the argmax, the summed
-                # cross-entropy) are off the backward's path, and a worker could otherwise run them late and hold
-                # the logits of several micro-batches until then.
-                with tf.control_dependencies([got[n] for n in self.names]):
-                    dy = [tf.identity(g) for g in grads[:len(outs)]]
-            head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(state.head_sums, grads[len(outs):]))
+            cell = loop_parts.micro_batch_loss(self.loss, state.head_weights, forward.outputs, self.targets,
+                                               last_next - 1, self.seed, forward.context)
+            got, dy = cell.values, cell.output_gradients
+            head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(state.head_sums, cell.head_gradients))
             values = tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(state.values, self.names))
             aux_sums = tuple(total + st for total, st in zip(state.aux_sums, stats))
         state = state._replace(last=last_next, head_sums=head_sums, values=values, aux_sums=aux_sums)
@@ -323,25 +300,3 @@ class WindowedLoop:
             grads += [tf.cast(g * loop_parts.rescale(d_loss, self.seed, g.dtype), w.dtype)
                       for g, w in zip(final.head_sums, split.head_weights)]
         return grads
-
-
-def _loss_value_spec(loss: PipelineLoss, job: PipelineJob, m: int) -> dict[str, tf.TensorSpec]:
-    """The TensorSpecs of `loss.fn`'s values on one micro-batch, from a trace of it alone (no stage runs)."""
-    def spec(t: tf.Tensor, batched: bool = True) -> tf.TensorSpec:
-        shape = t.shape
-        if batched:
-            shape = [shape[0] // m] + shape[1:]
-        return tf.TensorSpec(shape, t.dtype)
-
-    weight_specs = [tf.TensorSpec(w.shape, w.dtype) for w in loss.head_weights]
-    target_specs = tf.nest.map_structure(spec, loss.targets)
-
-    def trace(weights: list, outputs: Any, targets: Any) -> dict:
-        return loss.fn(weights, outputs, targets, FPropContext(training=True, seed=tf.zeros([2], tf.int64)))
-
-    traced = tf.function(trace, autograph=False).get_concrete_function(weight_specs, job.output_spec, target_specs)
-    values = traced.structured_outputs
-    if not isinstance(values, dict):
-        raise ValueError(f"the pipeline's loss function returned {type(values).__name__}: it must return a dict of "
-                         "scalar sums with a 'loss' entry")
-    return {n: tf.TensorSpec(v.shape, v.dtype) for n, v in values.items()}

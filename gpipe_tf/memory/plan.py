@@ -85,11 +85,11 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         last = s == plan.num_chunks - 1
         # The head runs on each micro-batch's output where the schedule computes the loss per micro-batch, else once
         # on all M outputs.
-        head_params, head_bytes = head_memory(head, traces[-1].output_spec, 1 if order.loss_per_micro_batch else m
+        head_params, head_bytes = head_memory(head, traces[-1].output_spec, 1 if order.head_per_micro_batch else m
                                               ) if last else ((), 0)
         setting = stage_lib.StageSetting(
             micro_batches=m, stashed=stashes[s], remat=plan.remat[s], first=s == 0, last=last,
-            outputs_kept=last and not order.loss_per_micro_batch, input_gradient=s > 0,
+            kept_outputs=_kept_outputs(order, m) if last else 2, input_gradient=s > 0,
             variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema,
             head_params=head_params, head_bytes=head_bytes)
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
@@ -110,3 +110,10 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
             "device_memory": device_memory, "fits": fits, "devices": devices, "stages": per_stage,
             "head": [name for name, _ in head.layers],
             "max_peak": max(r["peak"] for r in devices)}
+
+
+def _kept_outputs(order: ScheduleOrder, num_micro_batches: int) -> int:
+    """The output-sized tensors the last stage holds at its peak under `order` (`StageSetting.kept_outputs`)."""
+    if order.loss_per_micro_batch:
+        return 2
+    return num_micro_batches + 1 if order.head_in_forward else 2 * num_micro_batches

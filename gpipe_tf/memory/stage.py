@@ -8,8 +8,9 @@ What a stage holds at its peak, the start of the backward pass of its last stash
   precision also the compute-dtype copy of the weights, which each micro-batch casts anew);
 * with remat, one micro-batch's activations recomputed for its backward pass;
 * boundary buffers: the input the stage received (the whole mini-batch on the first stage) and the output it
-  sent, with their gradients (the last fill-drain stage keeps every micro-batch's output and output gradient; a
-  stage that holds the whole mini-batch and computes its input's gradient holds all of it);
+  sent, with their gradients (the last fill-drain stage keeps every micro-batch's output gradient, the last
+  unrolled stage every micro-batch's output and its gradient; a stage that holds the whole mini-batch and computes
+  its input's gradient holds all of it);
 * working memory of the backward pass: one layer's weight gradients before they are added to the sums, the
   activation gradient flowing between layers, the largest scratch buffer of one kernel (a convolution's gradient
   on a CPU: `BaseLayer.scratch_bytes`), the optimizer's temporaries that read only variables (computed as
@@ -120,7 +121,10 @@ class StageSetting:
     remat: bool
     first: bool  # the stage holds the whole mini-batch input
     last: bool
-    outputs_kept: bool  # a fill-drain last stage keeps every micro-batch's output and its gradient
+    # Output-sized tensors the stage holds at its peak: 2 (one output and its gradient); on the last stage M + 1
+    # where the loss runs in the forward loop but the backward waits for every forward (fill-drain: every
+    # micro-batch's output gradient, and one output), 2M where the loss runs on all M outputs at once (unrolled).
+    kept_outputs: int = 2
     input_gradient: bool = True  # the stage sends its input's gradient back (every stage but a data-fed first)
     variable_bytes: int = 4  # bytes per variable element (float32)
     compute_bytes: int = 4  # bytes per element of the compute dtype
@@ -148,7 +152,7 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     stash = setting.stashed * per_micro_batch
     recompute = activations + cast_weights if setting.remat else 0
     received = setting.micro_batches * in_bytes if setting.first else 0
-    sent = 2 * setting.micro_batches * out_bytes if setting.outputs_kept else 2 * out_bytes
+    sent = setting.kept_outputs * out_bytes
     returned = 0 if not setting.input_gradient else (setting.micro_batches * in_bytes if setting.first else in_bytes)
     boundary = received + sent + returned
     # The backward pass computes one layer's weight gradients at a time and adds them to the sums; one activation

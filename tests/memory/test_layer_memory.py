@@ -90,7 +90,7 @@ def test_a_stage_keeps_the_relu_two_cells_share_once():
     assert Cell.shared_with_previous_bytes(cell1, Cell.output_spec(cell0, stem_out)) == relu_bytes
     traces = stage.trace_layers([cell0, cell1], stem_out, ["cell0", "cell1"])
     setting = stage.StageSetting(micro_batches=1, stashed=1, remat=False, first=True, last=True,
-                                 outputs_kept=True)
+                                 kept_outputs=2)
     mem = stage.stage_memory(traces, stem_out, setting)
     assert mem.stashed_activations == traces[0].activation_bytes + traces[1].activation_bytes - relu_bytes
     # Alone in its stage (its h[i-2] received from the previous stage), the cell keeps that ReLU itself.

@@ -72,7 +72,7 @@ def test_one_stage_by_hand():
     spec = tf.TensorSpec([8, 16])
     traces = stage.trace_layers(layers, spec, ["a", "b"])
     setting = stage.StageSetting(micro_batches=4, stashed=4, remat=False, first=False, last=False,
-                                 outputs_kept=False, optimizer=plan.optimizer_memory(optimizers.Adam.params()))
+                                 optimizer=plan.optimizer_memory(optimizers.Adam.params()))
     mem = stage.stage_memory(traces, spec, setting)
     weights = 2 * (16 * 16 + 16) * 4
     tensor = 8 * 16 * 4  # one micro-batch's [8, 16] float32
@@ -90,7 +90,7 @@ def test_remat_keeps_inputs_and_recomputes_one_micro_batch():
     layers = [Linear.params().set(input_dim=16, output_dim=16, activation="relu") for _ in range(2)]
     spec = tf.TensorSpec([8, 16])
     traces = stage.trace_layers(layers, spec, ["a", "b"])
-    setting = stage.StageSetting(micro_batches=4, stashed=4, remat=True, first=False, last=False, outputs_kept=False)
+    setting = stage.StageSetting(micro_batches=4, stashed=4, remat=True, first=False, last=False)
     mem = stage.stage_memory(traces, spec, setting)
     assert mem.stashed_activations == 4 * 8 * 16 * 4
     assert mem.recompute == 2 * 8 * 16 * 4
@@ -141,3 +141,25 @@ def test_the_task_precision_reaches_every_layer_of_the_pipeline_in_the_plan():
         layer.fprop_dtype = "bfloat16"
     planned = [inspection.inspect(p, overrides={})["memory"]["devices"] for p in (inherited, explicit)]
     assert planned[0] == planned[1]
+
+
+def test_the_loss_head_is_planned_on_the_micro_batches_it_runs_on():
+    """FillDrain and 1F1B run the head on one micro-batch at a time, Unrolled on all M outputs at once; the last
+    stage keeps 2 output-sized tensors (1F1B), M output gradients and one output (FillDrain), or every output and
+    its gradient (Unrolled)."""
+    from gpipe_tf.memory.head import task_head
+    m = 4
+    params, _ = experiment.resolve_params("mt.gpipe_paper.TransformerLTinyOffline",
+                                          gin_bindings=[f"TransformerLTinyOffline.num_micro_batches={m}"])
+    last = {}
+    for schedule in ("fill_drain", "one_f_one_b", "unrolled"):
+        p = params.copy()
+        p.task.network.schedule = schedule
+        result = plan.plan_pipeline(p.task.network, p.train, head=task_head(p.task, "task.network"))
+        last[schedule] = result["stages"][-1]
+    assert last["fill_drain"]["loss_head"] == last["one_f_one_b"]["loss_head"] > 0
+    assert last["unrolled"]["loss_head"] == m * last["fill_drain"]["loss_head"]
+    # Same stage, same received input and returned gradient: the boundaries differ by the kept outputs only.
+    out = (last["unrolled"]["boundary_buffers"] - last["one_f_one_b"]["boundary_buffers"]) // (2 * m - 2)
+    assert out > 0
+    assert last["fill_drain"]["boundary_buffers"] - last["one_f_one_b"]["boundary_buffers"] == (m - 1) * out

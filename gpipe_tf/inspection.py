@@ -182,7 +182,10 @@ def format_memory(memory: dict[str, Any]) -> list[str]:
         lines.append(f"{row['device']:>6}  {row['stashed_micro_batches']:>5} "
                      + "  ".join(f"{human(row[key]):>10}" for key, _ in _MEMORY_COLUMNS) + f"  {fits}")
     lines.append("peak = weights + grad sums + opt slots + ema + boundary + max(stashes + recompute + bwd work + loss "
-                 "head, update); the loss head's weights are in the last chunk's device's columns")
+                 "head, update); the loss head's weights are in the last chunk's device's columns"
+                 + ("; fill-drain runs the loss head before any backward, so there the loss head is not added to "
+                    "the backward but is a phase of its own (stashes + loss head + the optimizer's early "
+                    "temporaries)" if any(r.get("forward_working") for r in memory["devices"]) else ""))
     if budget is not None:
         if memory["fits"]:
             lines.append(f"fits: every device's peak is within {human(budget)} (largest {human(memory['max_peak'])})")

@@ -237,8 +237,9 @@ class GPipe(BaseLayer):
         """Runs the pipeline and `loss` (on the last chunk's device) on a mini-batch: {name: sum over the batch}.
 
         The "loss" sum is differentiable with respect to the inputs, the weights and `loss.head_weights`; see
-        `PipelineLoss` for what `loss.fn` must return. Every schedule gives the same sums and gradients; 1F1B and
-        Interleaved need this path for their order (the loss gradient of each micro-batch right after its forward).
+        `PipelineLoss` for what `loss.fn` must return. Every schedule gives the same sums and gradients; the windowed
+        schedules need this path for their order (the loss gradient of each micro-batch right after its forward), and
+        FillDrain runs the loss per micro-batch through it, so that one micro-batch's logits exist at a time.
         """
         job, inputs = self._job(theta, inputs, ctx)
         devices = job.devices

@@ -17,7 +17,10 @@ What a stage holds at its peak, the start of the backward pass of its last stash
   soon as the step starts) and, with remat, the copy of the weights the recomputation differentiates;
 * or, if larger, the optimizer update's temporaries (`plan.optimizer_memory`);
 * on the last chunk's device, the task's loss head too (`head.py`): its weights, gradient sums and optimizer slots
-  with the stage's, and its logits and loss tensors for the micro-batches it runs on at once, alive with the stashes.
+  with the stage's, and its logits and loss tensors for the micro-batches it runs on at once, alive with the stashes
+  and, where the loss runs beside the backward passes (the windowed schedules), with the backward's working memory;
+  fill-drain runs it in the forward loop, before any backward, so there its peak is the forward phase's or the
+  backward's, whichever is larger.
 """
 
 from __future__ import annotations
@@ -61,15 +64,22 @@ class StageMemory:
     optimizer_update: int
     stashed_micro_batches: int
     loss_head: int = 0  # the loss head's logits and loss tensors (the last chunk's stage; its weights are counted)
+    # Where the loss head runs before any backward (fill-drain's forward loop): what that phase holds besides the
+    # stashes (the head's tensors, the optimizer's temporaries that read only variables, the activation flowing);
+    # 0 where the head runs beside the backward passes (the windowed schedules) or there is no head.
+    forward_working: int = 0
 
     @property
     def peak(self) -> int:
-        """Predicted peak bytes: what persists, plus the larger of the backward pass's and the update's needs. The
-        loss head's tensors count as alive with the stage's backward working memory: its weight gradient's matmul
-        still reads the logits' gradient when the stage's backward may start."""
-        backward = self.stashed_activations + self.recompute + self.backward_working + self.loss_head
+        """Predicted peak bytes: what persists, plus the largest of the backward pass's, the update's and, where the
+        loss head runs before any backward (`forward_working`), the forward phase's needs. Elsewhere the loss
+        head's tensors count as alive with the stage's backward working memory: its weight gradient's matmul still
+        reads the logits' gradient when the stage's backward may start."""
+        head_in_backward = 0 if self.forward_working else self.loss_head
+        backward = self.stashed_activations + self.recompute + self.backward_working + head_in_backward
+        forward = self.stashed_activations + self.forward_working
         return (self.weights + self.gradient_sums + self.optimizer_slots + self.ema + self.boundary_buffers
-                + max(backward, self.optimizer_update))
+                + max(backward, forward, self.optimizer_update))
 
     def as_dict(self) -> dict[str, int]:
         """The fields and the peak, for JSON."""
@@ -132,6 +142,7 @@ class StageSetting:
     ema: bool = False
     head_params: tuple[int, ...] = ()  # the loss head's layers' parameter counts, on this stage's device
     head_bytes: int = 0  # the loss head's logits and loss tensors at once (`head.head_memory`)
+    head_before_backward: bool = False  # the head runs in the forward phase, ended before any backward (fill-drain)
 
 
 def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSetting) -> StageMemory:
@@ -165,11 +176,14 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     scratch = max([t.scratch for t in traces] + [0])  # ops run one at a time: one kernel's scratch at once
     backward_working = (largest_layer + flowing + scratch + int(opt.early * weights)
                         + (weights if setting.remat else 0))
+    apart = setting.head_before_backward and setting.head_bytes > 0
+    forward_working = setting.head_bytes + flowing + int(opt.early * weights) if apart else 0
     return StageMemory(params=params, weights=weights, gradient_sums=weights,
                        optimizer_slots=int(opt.slots * weights), ema=weights if setting.ema else 0,
                        stashed_activations=stash, recompute=recompute, boundary_buffers=boundary,
                        backward_working=backward_working, optimizer_update=int(opt.update * weights),
-                       stashed_micro_batches=setting.stashed, loss_head=setting.head_bytes)
+                       stashed_micro_batches=setting.stashed, loss_head=setting.head_bytes,
+                       forward_working=forward_working)
 
 
 def compute_spec(spec: Any, dtype: str) -> Any:

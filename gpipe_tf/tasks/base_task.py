@@ -80,8 +80,8 @@ class BaseTask(BaseLayer):
         `head` returns sums over the examples it is given ("loss" and metric numerators); the task divides them by
         `normalizer` (the full batch's summed label weights), so the result is the same whether the head sees the
         whole batch or one micro-batch at a time. A `GPipe` network runs the head in its last stage
-        (`GPipe.fprop_with_loss`): per micro-batch where the schedule needs it (1F1B, Interleaved), whose backward
-        then starts from loss_scale / normalizer. Any other network runs, then the head on its whole output.
+        (`GPipe.fprop_with_loss`): per micro-batch (every schedule but Unrolled), the backward starting from
+        loss_scale / normalizer. Any other network runs, then the head on its whole output.
         """
         if not isinstance(network, GPipe):
             return head(head_theta, network.fprop(network_theta, inputs, ctx), targets, ctx)

@@ -66,27 +66,27 @@ SHAPED = "--params=task.network.micro_batch_shape=[4, 16],task.network.input_dty
 
 def test_device_memory_plan_and_suggestion():
     result = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
-                                  "--device_memory=6MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                                  "--device_memory=5.2MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "memory per device (predicted; schedule fill_drain" in out, out
-    assert "does NOT fit: 1 of 2 devices exceed 6.0 MiB" in out, out
-    # 1F1B holds K - k = 2 and 1 micro-batches instead of 4, and runs the loss head on one micro-batch at a time
-    # instead of all 4 (its logits dominate the last device): the first candidate, and it fits.
+    assert "does NOT fit: 1 of 2 devices exceed 5.2 MiB" in out, out
+    # 1F1B holds K - k = 2 and 1 micro-batches instead of 4 (fill-drain already runs the loss head on one
+    # micro-batch at a time): the first candidate, and it fits.
     suggestion = "smallest change that fits with 15% headroom: schedule 1F1B (largest peak "
     override = "--params=task.network.schedule='one_f_one_b'"
     assert suggestion in out and out.rstrip().endswith(override), out
     # The suggested override, added as printed, is accepted and makes the plan fit.
     taken = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED, override,
-                                 "--device_memory=6MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                                 "--device_memory=5.2MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert taken.returncode == 0, taken.stderr
     assert "memory per device (predicted; schedule one_f_one_b" in taken.stdout, taken.stdout
-    assert "fits: every device's peak is within 6.0 MiB" in taken.stdout, taken.stdout
+    assert "fits: every device's peak is within 5.2 MiB" in taken.stdout, taken.stdout
     as_json = trainer_process.run([sys.executable, "trainer.py", f"--model={KEY}", "--mode=inspect", SHAPED,
-                                   "--device_memory=6MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
+                                   "--device_memory=5.2MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
                                   timeout=300)
     memory = json.loads(as_json.stdout)["memory"]
-    assert memory["fits"] is False and memory["device_memory"] == 6 * 2 ** 20
+    assert memory["fits"] is False and memory["device_memory"] == round(5.2 * 2 ** 20)
     assert [d["fits"] for d in memory["devices"]] == [True, False]
     assert memory["suggestion"]["change"] == "schedule 1F1B"
 

@@ -104,3 +104,13 @@ def test_the_orders_say_where_the_head_runs():
     assert FillDrain(FillDrain.params()).step_order(2).head_per_micro_batch
     assert not Unrolled(Unrolled.params()).step_order(2).head_per_micro_batch
     assert orders.one_f_one_b(2).head_per_micro_batch
+
+
+def test_the_rescale_of_a_tiny_seed_does_not_underflow_in_float16():
+    """A fixed loss scale of 1e-9 over a normalizer seeds the in-loop backward with ~1e-11, zero in float16: the
+    factor to the caller's gradient is divided in float32, so it is 1, not 0 / 0."""
+    from gpipe_tf.gpipe.loop_parts import rescale
+    seed = tf.constant(1e-9 / 24, tf.float32)
+    assert float(rescale(seed, seed, tf.float16)) == 1.0
+    assert float(rescale(2 * seed, seed, tf.float64)) == 2.0
+    assert float(rescale(None, seed, tf.float16)) == 0.0

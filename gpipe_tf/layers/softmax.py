@@ -15,14 +15,23 @@ from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, 
 def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) -> tf.Tensor:
     """Per-example cross-entropy against one-hot targets smoothed as (1 - eps) * onehot + eps / num_classes.
 
-    Half-precision logits are cast to float32 first: the log-softmax and the loss are computed in float32.
+    logits: [..., num_classes]; labels: int [...], each in [0, num_classes). Half-precision logits are cast to
+    float32 first: the loss is computed in float32. TensorFlow's fused cross-entropy ops keep one logits-sized
+    tensor (softmax - targets) for the gradient, where a log-softmax times one-hot targets keeps the targets and the
+    log-softmax: the sparse op without smoothing (no targets are made), the dense op on targets made by one
+    `one_hot` with smoothing. Measured on whole pipelined steps (docs/memory.md), the last device of a
+    vocabulary-2048 Transformer stack held 2-15 MiB less without smoothing and 2.7 MiB less with it; on one CPU
+    thread the fused ops' own time is 1.1x (sparse) to 1.3-1.6x (dense) the unfused form's, small beside the
+    logits' projection.
     """
     logits = tf.cast(logits, sensitive_dtype(logits.dtype))
+    if not label_smoothing:
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     num_classes = tf.shape(logits)[-1]
-    targets = tf.one_hot(labels, num_classes, dtype=logits.dtype)
-    if label_smoothing:
-        targets = targets * (1.0 - label_smoothing) + label_smoothing / tf.cast(num_classes, logits.dtype)
-    return -tf.reduce_sum(targets * tf.nn.log_softmax(logits), axis=-1)
+    off = label_smoothing / tf.cast(num_classes, logits.dtype)
+    targets = tf.one_hot(labels, num_classes, on_value=1.0 - label_smoothing + off, off_value=off,
+                         dtype=logits.dtype)
+    return tf.nn.softmax_cross_entropy_with_logits(labels=targets, logits=logits)
 
 
 class SoftmaxCrossEntropy(BaseLayer):

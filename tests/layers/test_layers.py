@@ -119,6 +119,24 @@ def test_softmax_xent_with_label_smoothing_matches_numpy():
     np.testing.assert_allclose(layer.xent(tf.constant(logits), tf.constant(labels)).numpy(), ref, rtol=1e-12)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_xent_of_sequence_logits_and_its_gradient_match_the_dense_targets(smoothing):
+    """[B, T, V] logits: the loss is -sum t log_softmax(z) and its gradient softmax(z) - t, t the smoothed one-hot
+    targets (NumPy), although no dense targets are made."""
+    from gpipe_tf.layers.softmax import smoothed_xent
+    z = RNG.normal(size=(2, 3, 7))
+    labels = np.array([[0, 6, 3], [3, 1, 0]])
+    targets = np.eye(7)[labels] * (1 - smoothing) + smoothing / 7
+    probs = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    logits = tf.constant(z)
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = smoothed_xent(logits, tf.constant(labels), smoothing)
+        total = tf.reduce_sum(loss)
+    np.testing.assert_allclose(loss.numpy(), -(targets * np.log(probs)).sum(-1), rtol=1e-12)
+    np.testing.assert_allclose(tape.gradient(total, logits).numpy(), probs - targets, atol=1e-12)
+
+
 def test_bad_layer_params_name_the_field():
     with pytest.raises(ParamsError, match="input_dim and output_dim must be > 0"):
         Linear.params().instantiate()

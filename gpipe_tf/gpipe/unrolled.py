@@ -19,6 +19,7 @@ fill_drain schedule (`fill_drain.py`) keeps the graph constant in M instead.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +44,9 @@ class Unrolled(Schedule, short_name="unrolled"):
         self.gradient_sums: list[list[list[tf.Variable]]] = []  # [replica][stage][weight]
 
     def step_order(self, num_devices: int) -> ScheduleOrder:
-        """GPipe's order, as `FillDrain`'s: every forward, then the backwards from the last micro-batch to the
-        first."""
-        return orders.fill_drain(num_devices)
+        """GPipe's order, as `FillDrain`'s (every forward, then the backwards from the last micro-batch to the
+        first), under its own name, with the loss on the whole output."""
+        return dataclasses.replace(orders.fill_drain(num_devices), name="unrolled")
 
     def allocate(self, plan: StagePlan, stage_variables: Sequence[Sequence[tf.Variable]]) -> None:
         """One gradient sum per weight next to it, for every replica's devices."""

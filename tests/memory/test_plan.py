@@ -157,6 +157,7 @@ def test_the_loss_head_is_planned_on_the_micro_batches_it_runs_on():
         p.task.network.schedule = schedule
         result = plan.plan_pipeline(p.task.network, p.train, head=task_head(p.task, "task.network"))
         last[schedule] = result["stages"][-1]
+        assert result["schedule"] == schedule
     assert last["fill_drain"]["loss_head"] == last["one_f_one_b"]["loss_head"] > 0
     assert last["unrolled"]["loss_head"] == m * last["fill_drain"]["loss_head"]
     # Same stage, same received input and returned gradient: the boundaries differ by the kept outputs only.

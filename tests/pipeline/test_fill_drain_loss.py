@@ -103,6 +103,8 @@ def test_the_orders_say_where_the_head_runs():
     """The memory planner reads this: FillDrain's head works on one micro-batch at a time, Unrolled's on all M."""
     assert FillDrain(FillDrain.params()).step_order(2).head_per_micro_batch
     assert not Unrolled(Unrolled.params()).step_order(2).head_per_micro_batch
+    # The plan and the speed plan name the schedule by its order's name.
+    assert Unrolled(Unrolled.params()).step_order(2).name == "unrolled"
     assert orders.one_f_one_b(2).head_per_micro_batch
 
 

@@ -183,8 +183,9 @@ def format_memory(memory: dict[str, Any]) -> list[str]:
                      + "  ".join(f"{human(row[key]):>10}" for key, _ in _MEMORY_COLUMNS) + f"  {fits}")
     lines.append("peak = weights + grad sums + opt slots + ema + boundary + max(stashes + recompute + bwd work + loss "
                  "head, update); the loss head's weights are in the last chunk's device's columns"
-                 + ("; fill-drain's loss head ends before any backward, so on the last device: max(stashes + "
-                    "recompute + bwd work, stashes + loss head + the optimizer's early temporaries, update)"
+                 + (f"; {memory['schedule']}'s loss head ends before any backward, so on the last device: "
+                    "max(stashes + recompute + bwd work, stashes + loss head + the optimizer's early temporaries, "
+                    "update)"
                     if any(r.get("forward_working") for r in memory["devices"]) else ""))
     if budget is not None:
         if memory["fits"]:

@@ -184,8 +184,8 @@ def format_memory(memory: dict[str, Any]) -> list[str]:
     lines.append("peak = weights + grad sums + opt slots + ema + boundary + max(stashes + recompute + bwd work + loss "
                  "head, update); the loss head's weights are in the last chunk's device's columns"
                  + (f"; {memory['schedule']}'s loss head ends before any backward, so on the last device: "
-                    "max(stashes + recompute + bwd work, stashes + loss head + the optimizer's early temporaries, "
-                    "update)"
+                    "max(stashes + recompute + bwd work, stashes + loss head + the optimizer's early temporaries "
+                    "+ the activation flowing, update)"
                     if any(r.get("forward_working") for r in memory["devices"]) else ""))
     if budget is not None:
         if memory["fits"]:

@@ -141,12 +141,13 @@ def sum_dtype(dtype: tf.DType) -> tf.DType:
 
 def rescale(upstream: tf.Tensor | None, seed: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     """upstream / seed in `dtype`: the factor from gradients seeded with `seed` (a loop that ran its backward
-    inside its forward) to the caller's gradients; zero where the caller's tape sent no gradient. Divided in
-    float32 (or `dtype` if wider): a tiny loss scale over the normalizer underflows to zero in float16."""
+    inside its forward) to the caller's gradients; zero where the caller's tape sent no gradient, and where the
+    seed is zero (a batch of padding only: the task seeds zeros). Divided in float32 (or `dtype` if wider): a tiny
+    loss scale over the normalizer underflows to zero in float16."""
     if upstream is None:
         return tf.zeros([], dtype)
     wide = dtype if dtype.size > 4 else tf.float32
-    return tf.cast(tf.cast(upstream, wide) / tf.cast(seed, wide), dtype)
+    return tf.cast(tf.math.divide_no_nan(tf.cast(upstream, wide), tf.cast(seed, wide)), dtype)
 
 
 def loss_value_spec(loss: PipelineLoss, job: PipelineJob) -> dict[str, tf.TensorSpec]:

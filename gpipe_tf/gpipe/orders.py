@@ -64,8 +64,8 @@ class ScheduleOrder:
         forward (1F1B); False: the backward starts from the gradient of the whole output.
       head_in_forward: the last chunk computes each micro-batch's loss (and its output gradient) right after its
         forward, though the backward still waits for every forward (FillDrain), so one micro-batch's loss head
-        is alive at a time; implied by loss_per_micro_batch. False with loss_per_micro_batch False: the loss
-        runs once on all M outputs (Unrolled).
+        is alive at a time. `head_per_micro_batch` is this or loss_per_micro_batch; both False: the loss runs
+        once on all M outputs (Unrolled).
       backward_reversed: each chunk's backwards visit micro-batches M-1 .. 0 (GPipe's drain), else 0 .. M-1.
       micro_batch_multiple: M must be a multiple of this (K for Megatron-LM's groups of K micro-batches).
       weight_window: per chunk, how many micro-batches' weight gradients (W) may wait after their input

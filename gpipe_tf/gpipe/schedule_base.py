@@ -48,9 +48,10 @@ class PipelineLoss:
       targets: any nested tensors with the batch dimension first (labels, weights), split into micro-batches like
         the inputs.
       gradient_seed: the gradient of the task's loss with respect to the "loss" sum (a float32 scalar: the loss
-        scale over the normalizer), for schedules that run the backward pass inside their forward (1F1B): their
-        backward starts from it, so that loss scaling protects half-precision gradients there as it does in a
-        tape's backward. The gradients returned are rescaled to the caller's true upstream gradient. None: 1.0.
+        scale over the normalizer), for schedules that compute each micro-batch's loss gradient in their loop
+        (1F1B; FillDrain's output gradients): it starts from it, so that loss scaling protects half-precision
+        gradients there as it does in a tape's backward. The gradients returned are rescaled to the caller's true
+        upstream gradient. None: 1.0.
     """
 
     fn: LossFn
@@ -180,8 +181,9 @@ class Schedule:
 
         The "loss" sum is differentiable with respect to the inputs, the stages' weights and `loss.head_weights`.
         This default runs `run` and then `loss.fn` once on the whole output, on the last chunk's device: since
-        `fn` returns sums, that equals the sum over micro-batches. Schedules that need each micro-batch's loss
-        gradient before the next micro-batch's forward pass (1F1B) override it.
+        `fn` returns sums, that equals the sum over micro-batches. FillDrain (one micro-batch's head at a time)
+        and the schedules that need each micro-batch's loss gradient before the next micro-batch's forward pass
+        (1F1B) override it.
         """
         outputs, aux = self.run(job, inputs)
         with tf.device(job.devices[-1]):

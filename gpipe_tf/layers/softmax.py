@@ -15,8 +15,9 @@ from gpipe_tf.layers.base_layer import BaseLayer, FPropContext, elements_bytes, 
 def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) -> tf.Tensor:
     """Per-example cross-entropy against one-hot targets smoothed as (1 - eps) * onehot + eps / num_classes.
 
-    logits: [..., num_classes]; labels: int [...], each in [0, num_classes). Half-precision logits are cast to
-    float32 first: the loss is computed in float32. TensorFlow's fused cross-entropy ops keep one logits-sized
+    logits: [..., num_classes]; labels: int [...] (one outside [0, num_classes) has all-zero one-hot targets).
+    Half-precision logits are cast to float32 first: the loss is computed in float32. TensorFlow's fused
+    cross-entropy ops keep one logits-sized
     tensor (softmax - targets) for the gradient, where a log-softmax times one-hot targets keeps the targets and the
     log-softmax: the sparse op without smoothing (no targets are made), the dense op on targets made by one
     `one_hot` with smoothing. Measured on whole pipelined steps (docs/memory.md), the last device of a
@@ -26,7 +27,12 @@ def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) 
     """
     logits = tf.cast(logits, sensitive_dtype(logits.dtype))
     if not label_smoothing:
-        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        # A label outside [0, num_classes) (e.g. -1 for "ignore") has all-zero targets: loss and gradient 0, as
+        # one-hot targets give, where the sparse op would fail (CPU) or give NaN (GPU).
+        labels = tf.cast(labels, tf.int32)
+        valid = (labels >= 0) & (labels < tf.shape(logits)[-1])
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.where(valid, labels, 0), logits=logits)
+        return tf.where(valid, xent, tf.zeros_like(xent))
     num_classes = tf.shape(logits)[-1]
     off = label_smoothing / tf.cast(num_classes, logits.dtype)
     targets = tf.one_hot(labels, num_classes, on_value=1.0 - label_smoothing + off, off_value=off,

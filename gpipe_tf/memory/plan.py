@@ -89,10 +89,10 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
                                               ) if last else ((), 0)
         setting = stage_lib.StageSetting(
             micro_batches=m, stashed=stashes[s], remat=plan.remat[s], first=s == 0, last=last,
-            kept_outputs=_kept_outputs(order, m) if last else 2, input_gradient=s > 0,
+            kept_outputs=_kept_outputs(order, m, bool(head.layers)) if last else 2, input_gradient=s > 0,
             variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema,
             head_params=head_params, head_bytes=head_bytes,
-            head_before_backward=not order.loss_per_micro_batch)
+            head_before_backward=order.head_in_forward and not order.loss_per_micro_batch)
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
         spec = traces[-1].output_spec
     devices = []
@@ -113,8 +113,9 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
             "max_peak": max(r["peak"] for r in devices)}
 
 
-def _kept_outputs(order: ScheduleOrder, num_micro_batches: int) -> int:
-    """The output-sized tensors the last stage holds at its peak under `order` (`StageSetting.kept_outputs`)."""
+def _kept_outputs(order: ScheduleOrder, num_micro_batches: int, has_head: bool) -> int:
+    """The output-sized tensors the last stage holds at its peak under `order` (`StageSetting.kept_outputs`); a
+    pipeline with no planned head (its caller runs the loss on the whole output) keeps every output and gradient."""
     if order.loss_per_micro_batch:
         return 2
-    return num_micro_batches + 1 if order.head_in_forward else 2 * num_micro_batches
+    return num_micro_batches + 1 if order.head_in_forward and has_head else 2 * num_micro_batches

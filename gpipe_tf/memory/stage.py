@@ -19,8 +19,8 @@ What a stage holds at its peak, the start of the backward pass of its last stash
 * on the last chunk's device, the task's loss head too (`head.py`): its weights, gradient sums and optimizer slots
   with the stage's, and its logits and loss tensors for the micro-batches it runs on at once, alive with the stashes
   and, where the loss runs beside the backward passes (the windowed schedules), with the backward's working memory;
-  fill-drain runs it in the forward loop and unrolled after every forward, both before any stage's backward, so
-  there the peak is the head's phase or the backward's, whichever is larger.
+  fill-drain runs it in the forward loop, ended before its backward loop starts, so there the peak is the head's
+  phase or the backward's, whichever is larger (unrolled's head weight gradient may run beside the backward).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class StageMemory:
     optimizer_update: int
     stashed_micro_batches: int
     loss_head: int = 0  # the loss head's logits and loss tensors (the last chunk's stage; its weights are counted)
-    # Where the loss head runs before any backward (fill-drain, unrolled): what that phase holds besides the
+    # Where the loss head runs before any backward (fill-drain's forward loop): what that phase holds besides the
     # stashes (the head's tensors, the optimizer's temporaries that read only variables, the activation flowing);
     # 0 where the head runs beside the backward passes (the windowed schedules) or there is no head.
     forward_working: int = 0
@@ -142,7 +142,7 @@ class StageSetting:
     ema: bool = False
     head_params: tuple[int, ...] = ()  # the loss head's layers' parameter counts, on this stage's device
     head_bytes: int = 0  # the loss head's logits and loss tensors at once (`head.head_memory`)
-    head_before_backward: bool = False  # the head runs before any stage's backward (fill-drain, unrolled)
+    head_before_backward: bool = False  # the head ends before any stage's backward (fill-drain's forward loop)
 
 
 def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSetting) -> StageMemory:

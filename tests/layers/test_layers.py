@@ -144,3 +144,17 @@ def test_bad_layer_params_name_the_field():
         Dropout.params().set(rate=1.5).instantiate()
     with pytest.raises(ParamsError, match="dtype='int8'"):
         Linear.params().set(input_dim=1, output_dim=1, dtype="int8").instantiate()
+
+
+def test_xent_of_a_label_outside_the_classes_is_zero_with_zero_gradient():
+    """An "ignore" label (-1) or one past the classes has all-zero one-hot targets: loss 0, gradient 0."""
+    from gpipe_tf.layers.softmax import smoothed_xent
+    logits = tf.constant(RNG.normal(size=(3, 5)))
+    with tf.GradientTape() as tape:
+        tape.watch(logits)
+        loss = smoothed_xent(logits, tf.constant([-1, 2, 5]), 0.0)
+        total = tf.reduce_sum(loss)
+    grad = tape.gradient(total, logits).numpy()
+    assert loss.numpy()[0] == 0.0 and loss.numpy()[2] == 0.0 and loss.numpy()[1] > 0
+    np.testing.assert_array_equal(grad[[0, 2]], 0.0)
+    assert np.all(np.isfinite(grad)) and np.any(grad[1] != 0)

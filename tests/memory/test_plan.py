@@ -164,12 +164,13 @@ def test_the_loss_head_is_planned_on_the_micro_batches_it_runs_on():
     out = (last["unrolled"]["boundary_buffers"] - last["one_f_one_b"]["boundary_buffers"]) // (2 * m - 2)
     assert out > 0
     assert last["fill_drain"]["boundary_buffers"] - last["one_f_one_b"]["boundary_buffers"] == (m - 1) * out
-    # FillDrain's and Unrolled's heads end before any backward: the peak is the larger phase, not their sum (1F1B,
+    # FillDrain's head ends before its backward loop starts: the peak is the larger phase, not their sum (1F1B,
     # whose loss runs beside the backward passes, adds them).
     fd, one = last["fill_drain"], last["one_f_one_b"]
     static = fd["weights"] + fd["gradient_sums"] + fd["optimizer_slots"] + fd["ema"] + fd["boundary_buffers"]
     assert one["forward_working"] == 0 and fd["forward_working"] > fd["loss_head"]
-    assert last["unrolled"]["forward_working"] > last["unrolled"]["loss_head"]  # after every forward, too
+    # Unrolled's head weight gradient may run beside the stage's backward: added to it.
+    assert last["unrolled"]["forward_working"] == 0
     assert fd["peak"] == static + max(fd["stashed_activations"] + fd["recompute"] + fd["backward_working"],
                                       fd["stashed_activations"] + fd["forward_working"], fd["optimizer_update"])
     assert one["peak"] - one["boundary_buffers"] - one["stashed_activations"] == (

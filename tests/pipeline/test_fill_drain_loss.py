@@ -116,3 +116,23 @@ def test_the_rescale_of_a_tiny_seed_does_not_underflow_in_float16():
     assert float(rescale(seed, seed, tf.float16)) == 1.0
     assert float(rescale(2 * seed, seed, tf.float64)) == 2.0
     assert float(rescale(None, seed, tf.float16)) == 0.0
+
+
+def test_a_batch_of_padding_only_gets_zero_gradients_not_nan():
+    """The task seeds zeros when the normalizer is 0 (divide_no_nan) and its loss is 0 x the sum: the rescale of
+    0 by 0 is 0, so every gradient is 0 (NaN before)."""
+    x, targets, head = inputs("float32")
+    layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, "never", "fill_drain")
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss_fn = PipelineLoss(wide_head([]), (head,), targets, tf.constant(0.0))
+            sums = layer.fprop_with_loss(layer.theta, x, loss_fn, FPropContext(training=True))
+            loss = sums["loss"] * 0.0
+        with placement.colocate_gradients():
+            return tape.gradient(loss, list(layer.trainable_variables) + [head])
+
+    for g in step(x):
+        np.testing.assert_array_equal(g.numpy(), np.zeros_like(g.numpy()))
+

@@ -56,6 +56,7 @@ from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.remat import stage_op
 from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss, Schedule
 from gpipe_tf.hyperparams import InstantiableParams, ParamsError
+from gpipe_tf.layers.base_layer import FPropContext
 
 
 class FillDrain(Schedule, short_name="fill_drain"):
@@ -240,7 +241,7 @@ class FillDrainLoop:
                 state = state._replace(aux_sums=tuple(total + st for total, st in zip(state.aux_sums, stats)))
         return state._replace(last=last)
 
-    def loss_step(self, state: LoopState, outputs: Any, index: tf.Tensor, ctx: Any) -> LoopState:
+    def loss_step(self, state: LoopState, outputs: Any, index: tf.Tensor, ctx: FPropContext) -> LoopState:
         """Micro-batch `index`'s loss on its `outputs` (on the last chunk), its values added to the sums. When
         training, one op whose gradient is the output gradient computed here (so TensorFlow's backward loop keeps
         that gradient, not the loss's logits), and the head's weight gradients added to their sums."""
@@ -248,8 +249,7 @@ class FillDrainLoop:
         if not self.job.training:
             got = loop_parts.micro_batch_loss(self.loss, state.head_weights, outputs, self.targets, index, None,
                                               ctx).values
-            return state._replace(values=tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(state.values, names)))
-        floats = float_leaves(outputs)
+            return state._replace(values=loop_parts.add_values(state.values, got, names))
         device = self.job.devices[-1]
 
         @tf.custom_gradient
@@ -266,10 +266,9 @@ class FillDrainLoop:
             # loop never differentiates the loss's own backward (which would keep every micro-batch's logits).
             return [cell.values[n] for n in names] + list(cell.head_gradients), grad
 
-        returned = loss_op(*floats)
-        got = dict(zip(names, returned[:len(names)]))
+        returned = loss_op(*float_leaves(outputs))
         head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(state.head_sums, returned[len(names):]))
-        return state._replace(values=tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(state.values, names)),
+        return state._replace(values=loop_parts.add_values(state.values, dict(zip(names, returned)), names),
                               head_sums=head_sums)
 
     def gradients(self, tape: tf.GradientTape, split: loop_parts.SplitArguments, final: LoopState,
@@ -310,8 +309,7 @@ class FillDrainLoop:
         head = grads[len(flat_weights) + len(inputs):]
         if self.loss is not None and job.training:  # the sums the loop made, seeded: rescaled to the caller's
             with tf.device(job.devices[-1]):
-                head = [tf.cast(g * loop_parts.rescale(dy[0], self.seed, g.dtype), w.dtype)
-                        for g, w in zip(final.head_sums, split.head_weights)]
+                head = loop_parts.head_gradients(final.head_sums, split.head_weights, dy[0], self.seed)
         return list(dx) + list(sums) + head
 
 

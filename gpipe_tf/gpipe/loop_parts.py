@@ -213,3 +213,15 @@ def micro_batch_loss(loss: PipelineLoss, head_weights: Sequence[tf.Tensor], outp
         with tf.control_dependencies(list(got.values())):
             dy = [tf.identity(g) for g in grads[:len(outs)]]
     return MicroBatchLoss(got, dy, grads[len(outs):])
+
+
+def add_values(sums: tuple, values: dict, names: Sequence[str]) -> tuple:
+    """The loss's running `sums` (in `names` order) with one micro-batch's `values` added, each in its sum's dtype."""
+    return tuple(a + tf.cast(values[n], a.dtype) for a, n in zip(sums, names))
+
+
+def head_gradients(head_sums: Sequence[tf.Tensor], head_weights: Sequence[tf.Tensor], upstream: tf.Tensor | None,
+                   seed: tf.Tensor) -> list[tf.Tensor]:
+    """The head weights' gradient sums, seeded with `seed` in the loop, rescaled to the caller's `upstream`
+    gradient of the "loss" sum and cast to each weight's dtype (call on the last chunk's device)."""
+    return [tf.cast(g * rescale(upstream, seed, g.dtype), w.dtype) for g, w in zip(head_sums, head_weights)]

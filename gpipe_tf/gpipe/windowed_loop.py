@@ -239,7 +239,7 @@ class WindowedLoop:
                                                last_next - 1, self.seed, forward.context)
             got, dy = cell.values, cell.output_gradients
             head_sums = tuple(a + tf.cast(g, a.dtype) for a, g in zip(state.head_sums, cell.head_gradients))
-            values = tuple(a + tf.cast(got[n], a.dtype) for a, n in zip(state.values, self.names))
+            values = loop_parts.add_values(state.values, got, self.names)
             aux_sums = tuple(total + st for total, st in zip(state.aux_sums, stats))
         state = state._replace(last=last_next, head_sums=head_sums, values=values, aux_sums=aux_sums)
         return state, dy
@@ -297,6 +297,5 @@ class WindowedLoop:
             with tf.device(job.devices[c]):
                 grads += [g * loop_parts.rescale(d_loss, self.seed, g.dtype) for g in grad_sums[c]]
         with tf.device(job.devices[-1]):
-            grads += [tf.cast(g * loop_parts.rescale(d_loss, self.seed, g.dtype), w.dtype)
-                      for g, w in zip(final.head_sums, split.head_weights)]
+            grads += loop_parts.head_gradients(final.head_sums, split.head_weights, d_loss, self.seed)
         return grads

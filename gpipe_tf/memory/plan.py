@@ -92,7 +92,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
             kept_outputs=_kept_outputs(order, m, bool(head.layers)) if last else 2, input_gradient=s > 0,
             variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema,
             head_params=head_params, head_bytes=head_bytes,
-            head_before_backward=order.head_in_forward and not order.loss_per_micro_batch)
+            head_before_backward=order.head_in_forward)
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
         spec = traces[-1].output_spec
     devices = []

@@ -20,10 +20,9 @@ def smoothed_xent(logits: tf.Tensor, labels: tf.Tensor, label_smoothing: float) 
     cross-entropy ops keep one logits-sized
     tensor (softmax - targets) for the gradient, where a log-softmax times one-hot targets keeps the targets and the
     log-softmax: the sparse op without smoothing (no targets are made), the dense op on targets made by one
-    `one_hot` with smoothing. Measured on whole pipelined steps (docs/memory.md), the last device of a
-    vocabulary-2048 Transformer stack held 2-15 MiB less without smoothing and 2.7 MiB less with it; on one CPU
-    thread the fused ops' own time is 1.1x (sparse) to 1.3-1.6x (dense) the unfused form's, small beside the
-    logits' projection.
+    `one_hot` with smoothing. Measured on whole pipelined steps without smoothing (docs/memory.md), the last device
+    of a vocabulary-2048 Transformer stack held 0.7-6.6 MiB less; on one CPU thread the fused ops' own time is 1.1x
+    (sparse) to 1.3-1.6x (dense) the unfused form's, small beside the logits' projection.
     """
     logits = tf.cast(logits, sensitive_dtype(logits.dtype))
     if not label_smoothing:

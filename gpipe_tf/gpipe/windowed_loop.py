@@ -252,7 +252,11 @@ class WindowedLoop:
         sums, tokens, weight_rings, kept = [None] * n, [None] * n, [()] * n, list(state.kept)
         for c in reversed(range(n)):
             with placement.on_stage(self.job.chunk_scopes[c]), tf.name_scope("backward"):
-                dx, dw = forward.records[c].gradient(dy)
+                # Unsplit orders (W with its B): the chunk's backward of this micro-batch starts once the
+                # previous micro-batch's weight gradients are in the sums, so no weight gradient is computed early
+                # beside them (a split order's B must not wait for W: zero bubble runs W in the gaps).
+                after = () if self.order.weight_window else state.grad_sums[c]
+                dx, dw = forward.records[c].gradient(dy, after)
                 # None: a weight whose whole gradient waits in the stash (batched W).
                 sums[c] = tuple(a if g is None else a + g for a, g in zip(state.grad_sums[c], dw))
                 if self.batched:

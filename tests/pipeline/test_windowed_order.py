@@ -1,0 +1,93 @@
+"""What the windowed loop lets a device run early, read from the loop body's graph: under an order whose weight
+gradients run with their backward (1F1B, Interleaved), a chunk's backward of micro-batch i + 1 waits until micro-batch
+i's weight gradients are in the sums, so no second weight gradient of a layer is computed early (one weight
+gradient per layer at a time is what the memory plan counts); a split order's backward (zero bubble's B) does not
+wait for the previous W, which is its point."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gpipe_tf.gpipe import placement
+from gpipe_tf.gpipe.schedule_base import PipelineLoss
+from gpipe_tf.layers.base_layer import FPropContext
+from tests.helpers.loss_in_pipeline import build, head_fn, schedule_params
+from tests.helpers.pipeline_models import BATCH, mlp_layers
+
+WIDTH = 6
+
+
+def loop_body(schedule):
+    """The windowed loop's body graph of a traced K=2, M=4 training step."""
+    layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, "never", schedule_params(schedule, 2))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(BATCH, WIDTH)).astype("float32"))
+    head = tf.Variable(rng.normal(size=(WIDTH,)).astype("float32"))
+    targets = {"y": tf.constant(rng.normal(size=BATCH).astype("float32")), "w": tf.ones([BATCH])}
+
+    @tf.function(autograph=False)
+    def step(x):
+        with tf.GradientTape() as tape:
+            sums = layer.fprop_with_loss(layer.theta, x, PipelineLoss(head_fn, (head,), targets, tf.constant(1.0)),
+                                         FPropContext(training=True))
+        with placement.colocate_gradients():
+            return tape.gradient(sums["loss"], layer.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec(x.shape, x.dtype)).graph
+    bodies = [graph._get_function(op.get_attr("body").name).graph for op in graph.get_operations()
+              if op.type in ("While", "StatelessWhile")]
+    assert len(bodies) == 1, bodies
+    return bodies[0]
+
+
+def ancestors(op):
+    """Every op `op` waits for in its graph, by data or control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def sum_inputs_and_weight_matmuls(body):
+    """{the loop variable holding a weight's gradient sum: the backward matmuls that compute that weight's
+    gradient}: a sum is a body input that an add takes beside a backward MatMul's output."""
+    found = {}
+    for op in body.get_operations():
+        if op.type not in ("AddV2", "Add") or "backward" not in op.name:
+            continue
+        a, b = (t.op for t in op.inputs)
+        for summed, matmul in ((a, b), (b, a)):
+            if summed.type == "Placeholder" and matmul.type == "MatMul":
+                found.setdefault(summed, []).append(matmul)
+    return found
+
+
+def backward_input_gradient_matmuls(body):
+    """The gradient MatMuls that no weight-gradient sum takes: the input gradients (B)."""
+    weight = {m for ms in sum_inputs_and_weight_matmuls(body).values() for m in ms}
+    return [op for op in body.get_operations()
+            if op.type == "MatMul" and op.name.startswith("gradient_tape") and op not in weight]
+
+
+@pytest.mark.parametrize("schedule", ["one_f_one_b", "interleaved"])
+def test_an_unsplit_backward_waits_for_the_previous_weight_gradients(schedule):
+    body = loop_body(schedule)
+    found = sum_inputs_and_weight_matmuls(body)
+    assert len(found) >= 4, found  # two chunks or more, a weight per layer
+    for summed, matmuls in found.items():
+        for matmul in matmuls:
+            assert summed in ancestors(matmul), (summed.name, matmul.name)
+
+
+def test_zero_bubbles_input_gradient_does_not_wait_for_the_previous_weight_gradients():
+    body = loop_body("zero_bubble")
+    sums = set(sum_inputs_and_weight_matmuls(body))
+    assert sums
+    matmuls = backward_input_gradient_matmuls(body)
+    assert matmuls
+    for matmul in matmuls:
+        assert not sums & ancestors(matmul), matmul.name

@@ -83,8 +83,10 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
 
 def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
     """The allocations alive when the allocator of one worker's profiler trace (`*.xplane.pb`) held the most:
-    {"peak": bytes, "by_op": [[bytes, count, op name, kind], ...] largest first, `top` of them} (kind: "output"
-    for an op's result, "temp" for its scratch memory)."""
+    {"peak": bytes, "by_op": [[bytes, count, op name, kind], ...] largest first, `top` of them (kind: "output"
+    for an op's result, "temp" for its scratch memory), "traced": the allocator chunks' bytes of the step's
+    allocations alive then, "requested": the bytes those allocations asked for}. The allocator (BFC) hands out a
+    free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor."""
     from bench.op_breakdown import read_space
 
     space = read_space(trace_path)
@@ -98,23 +100,24 @@ def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
                     stats = {names.get(st.metadata_id): st.str_value or names.get(st.ref_value) or st.int64_value
                              or st.uint64_value for st in event.stats}
                     events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation", stats))
-    live: dict[Any, tuple[int, str, str]] = {}
+    live: dict[Any, tuple[int, str, str, int]] = {}  # addr -> (chunk bytes, op, kind, requested bytes)
     peak, at_peak = 0, {}
     for _, allocation, stats in sorted(events, key=lambda e: e[0]):
         if allocation:
             live[stats.get("addr")] = (int(stats.get("allocation_bytes") or 0), str(stats.get("tf_op") or "?"),
-                                       str(stats.get("region_type") or "?"))
+                                       str(stats.get("region_type") or "?"), int(stats.get("requested_bytes") or 0))
         else:
             live.pop(stats.get("addr"), None)
         if int(stats.get("bytes_allocated") or 0) > peak:
             peak, at_peak = int(stats.get("bytes_allocated") or 0), dict(live)
     groups: dict[tuple[str, str], list[int]] = {}
-    for size, op, kind in at_peak.values():
+    for size, op, kind, _ in at_peak.values():
         group = groups.setdefault((op, kind), [0, 0])
         group[0] += size
         group[1] += 1
     ranked = sorted(([b, n, op, kind] for (op, kind), (b, n) in groups.items()), reverse=True)
-    return {"peak": peak, "by_op": ranked[:top]}
+    return {"peak": peak, "by_op": ranked[:top], "traced": sum(a[0] for a in at_peak.values()),
+            "requested": sum(a[3] for a in at_peak.values())}
 
 
 def measure_in_fresh_process(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
@@ -148,7 +151,12 @@ def main() -> None:
     for d, (predicted, measured) in enumerate(zip(result["predicted"], result["measured"])):
         print(f"device {d}: predicted {predicted / 2 ** 20:.2f} MiB, measured {measured / 2 ** 20:.2f} MiB "
               f"({predicted / measured - 1:+.1%})")
-        for size, count, op, kind in result.get("at_peak", [{}] * (d + 1))[d].get("by_op", []):
+        at_peak = result.get("at_peak", [{}] * (d + 1))[d]
+        if at_peak:
+            print(f"  the step's allocations alive at the peak: {at_peak['traced'] / 2 ** 20:.2f} MiB of allocator "
+                  f"chunks for {at_peak['requested'] / 2 ** 20:.2f} MiB of tensors; the rest of the peak was "
+                  "allocated before the step")
+        for size, count, op, kind in at_peak.get("by_op", []):
             print(f"  {size / 2 ** 20:9.2f} MiB x{count:<4} {kind:<6} {op}")
 
 

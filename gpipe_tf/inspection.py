@@ -186,7 +186,10 @@ def format_memory(memory: dict[str, Any]) -> list[str]:
                  + (f"; {memory['schedule']}'s loss head ends before any backward, so on the last device: "
                     "max(stashes + recompute + bwd work, stashes + loss head + the optimizer's early temporaries "
                     "+ the activation flowing, update)"
-                    if any(r.get("forward_working") for r in memory["devices"]) else ""))
+                    if any(r.get("forward_working") for r in memory["devices"]) else "")
+                 + ("; a device's several chunks add their columns, but one chunk's backward runs at a time: its "
+                    "recompute, bwd work (less the optimizer's early temporaries, which every chunk holds) and loss "
+                    "head count once" if memory.get("virtual_stages", 1) > 1 else ""))
     if budget is not None:
         if memory["fits"]:
             lines.append(f"fits: every device's peak is within {human(budget)} (largest {human(memory['max_peak'])})")

@@ -92,7 +92,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
             kept_outputs=_kept_outputs(order, m, bool(head.layers)) if last else 2, input_gradient=s > 0,
             variable_bytes=var_dtype.size, compute_bytes=compute.size, optimizer=opt, ema=ema,
             head_params=head_params, head_bytes=head_bytes,
-            head_before_backward=order.head_in_forward)
+            head_before_backward=order.head_in_forward, weight_casts=_weight_casts(order, m, stashes[s]))
         stages.append((s, list(names), stage_lib.stage_memory(traces, spec, setting)))
         spec = traces[-1].output_spec
     devices = []
@@ -103,6 +103,7 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
                                "layers": [n for _, names, _ in mine for n in names]}
         for key in mine[0][2].as_dict():
             row[key] = sum(mem.as_dict()[key] for _, _, mem in mine)
+        row["peak"] = stage_lib.device_peak([mem for _, _, mem in mine])
         row["fits"] = None if device_memory is None else row["peak"] <= device_memory
         devices.append(row)
     fits = None if device_memory is None else all(r["fits"] for r in devices)
@@ -119,3 +120,13 @@ def _kept_outputs(order: ScheduleOrder, num_micro_batches: int, has_head: bool) 
     if order.loss_per_micro_batch:
         return 2
     return num_micro_batches + 1 if order.head_in_forward and has_head else 2 * num_micro_batches
+
+
+def _weight_casts(order: ScheduleOrder, num_micro_batches: int, stashed: int) -> int:
+    """Micro-batches whose cast of a stage's weights (mixed precision) the stage holds at its peak
+    (`StageSetting.weight_casts`): every one in a windowed loop (it casts as it starts: a cast waits for no
+    window), one where the schedule is one graph without a loop (unrolled: TensorFlow merges identical casts), else
+    the stashed ones (fill-drain's loop keeps each iteration's for its backward)."""
+    if order.loss_per_micro_batch:
+        return num_micro_batches
+    return stashed if order.head_per_micro_batch else 1

@@ -4,8 +4,8 @@ What a stage holds at its peak, the start of the backward pass of its last stash
 
 * weights, their gradient sums and the optimizer's slots (and an EMA copy), in the variables' dtype;
 * stashes: for every stashed micro-batch its input copy (kept under every remat policy) and, without remat, every
-  activation its layers keep for the backward pass (`BaseLayer.activation_bytes`, at the compute dtype; in mixed
-  precision also the compute-dtype copy of the weights, which each micro-batch casts anew);
+  activation its layers keep for the backward pass (`BaseLayer.activation_bytes`, at the compute dtype); in mixed
+  precision also the compute-dtype copies of the weights, which each micro-batch casts anew (`weight_casts`);
 * with remat, one micro-batch's activations recomputed for its backward pass;
 * boundary buffers: the input the stage received (the whole mini-batch on the first stage) and the output it
   sent, with their gradients (the last fill-drain stage keeps every micro-batch's output gradient, the last
@@ -65,9 +65,25 @@ class StageMemory:
     stashed_micro_batches: int
     loss_head: int = 0  # the loss head's logits and loss tensors (the last chunk's stage; its weights are counted)
     # Where the loss head runs before any backward (fill-drain's forward loop): what that phase holds besides the
-    # stashes (the head's tensors, the optimizer's temporaries that read only variables, the activation flowing);
-    # 0 where the head runs beside the backward passes (the windowed schedules) or there is no head.
+    # stashes and the optimizer's early temporaries (the head's tensors, the activation flowing); 0 where the head
+    # runs beside the backward passes (the windowed schedules) or there is no head.
     forward_working: int = 0
+    # The optimizer's temporaries that read only variables: computed as the step starts, alive through every
+    # phase until the update (part of `backward_working` in the table's column).
+    optimizer_early: int = 0
+
+    @property
+    def persistent(self) -> int:
+        """What the stage holds through the whole step: weights, gradient sums, slots, EMA, boundary buffers."""
+        return self.weights + self.gradient_sums + self.optimizer_slots + self.ema + self.boundary_buffers
+
+    @property
+    def working(self) -> int:
+        """What the stage's own backward pass (or, where the loss head runs before any backward, its forward phase
+        with the head) adds while it runs: one chunk of a device at a time runs it."""
+        head_in_backward = 0 if self.forward_working else self.loss_head
+        return max(self.recompute + self.backward_working - self.optimizer_early + head_in_backward,
+                   self.forward_working)
 
     @property
     def peak(self) -> int:
@@ -75,11 +91,7 @@ class StageMemory:
         loss head runs before any backward (`forward_working`), the forward phase's needs. Elsewhere the loss
         head's tensors count as alive with the stage's backward working memory: its weight gradient's matmul still
         reads the logits' gradient when the stage's backward may start."""
-        head_in_backward = 0 if self.forward_working else self.loss_head
-        backward = self.stashed_activations + self.recompute + self.backward_working + head_in_backward
-        forward = self.stashed_activations + self.forward_working
-        return (self.weights + self.gradient_sums + self.optimizer_slots + self.ema + self.boundary_buffers
-                + max(backward, forward, self.optimizer_update))
+        return device_peak([self])
 
     def as_dict(self) -> dict[str, int]:
         """The fields and the peak, for JSON."""
@@ -143,6 +155,10 @@ class StageSetting:
     head_params: tuple[int, ...] = ()  # the loss head's layers' parameter counts, on this stage's device
     head_bytes: int = 0  # the loss head's logits and loss tensors at once (`head.head_memory`)
     head_before_backward: bool = False  # the head ends before any stage's backward (fill-drain's forward loop)
+    # Micro-batches whose mixed-precision cast of the weights is held at the peak without remat (None: `stashed`):
+    # a windowed loop casts for every micro-batch as it starts (a cast reads only the weights, so no window holds
+    # it back), one graph without a loop casts once (TensorFlow merges the M identical casts).
+    weight_casts: int | None = None
 
 
 def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSetting) -> StageMemory:
@@ -159,8 +175,9 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     cast_weights = stage_params * setting.compute_bytes if setting.compute_bytes != setting.variable_bytes else 0
     # The stage's input copy is what it received: on the first stage a slice of the mini-batch it holds (a slice
     # along the batch shares its buffer), on a later stage the transferred micro-batch itself.
-    per_micro_batch = (0 if setting.first else in_bytes) + (0 if setting.remat else activations + cast_weights)
-    stash = setting.stashed * per_micro_batch
+    per_micro_batch = (0 if setting.first else in_bytes) + (0 if setting.remat else activations)
+    casts = setting.stashed if setting.weight_casts is None else setting.weight_casts
+    stash = setting.stashed * per_micro_batch + (0 if setting.remat else casts * cast_weights)
     recompute = activations + cast_weights if setting.remat else 0
     received = setting.micro_batches * in_bytes if setting.first else 0
     sent = setting.kept_outputs * out_bytes
@@ -174,16 +191,27 @@ def stage_memory(traces: Sequence[LayerTrace], input_spec: Any, setting: StageSe
     flowing = max(in_bytes, out_bytes)
     opt = setting.optimizer
     scratch = max([t.scratch for t in traces] + [0])  # ops run one at a time: one kernel's scratch at once
-    backward_working = (largest_layer + flowing + scratch + int(opt.early * weights)
-                        + (weights if setting.remat else 0))
+    early = int(opt.early * weights)
+    backward_working = largest_layer + flowing + scratch + early + (weights if setting.remat else 0)
     apart = setting.head_before_backward and setting.head_bytes > 0
-    forward_working = setting.head_bytes + flowing + int(opt.early * weights) if apart else 0
+    forward_working = setting.head_bytes + flowing if apart else 0
     return StageMemory(params=params, weights=weights, gradient_sums=weights,
                        optimizer_slots=int(opt.slots * weights), ema=weights if setting.ema else 0,
                        stashed_activations=stash, recompute=recompute, boundary_buffers=boundary,
                        backward_working=backward_working, optimizer_update=int(opt.update * weights),
                        stashed_micro_batches=setting.stashed, loss_head=setting.head_bytes,
-                       forward_working=forward_working)
+                       forward_working=forward_working, optimizer_early=early)
+
+
+def device_peak(chunks: Sequence[StageMemory]) -> int:
+    """The predicted peak of a device that holds `chunks` (an interleaved or V device holds several): every chunk's
+    persistent memory, stashes and optimizer temporaries that read only variables, plus the largest one chunk's
+    backward (or head) phase adds (a device runs one op at a time: one chunk's backward, recompute and kernel
+    scratch at once), or, if larger, the optimizer update's temporaries of all of them."""
+    persistent = sum(c.persistent for c in chunks)
+    held = sum(c.stashed_activations + c.optimizer_early for c in chunks)
+    update = sum(c.optimizer_update for c in chunks)
+    return persistent + max(held + max(c.working for c in chunks), update)
 
 
 def compute_spec(spec: Any, dtype: str) -> Any:

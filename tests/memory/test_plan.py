@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from gpipe_tf import experiment, inspection
 from gpipe_tf.errors import ConfigError
+from gpipe_tf.gpipe.pipeline import find_pipelines
 from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.hyperparams import Params
 from gpipe_tf.layers.linear import Linear
@@ -172,6 +173,61 @@ def test_the_loss_head_is_planned_on_the_micro_batches_it_runs_on():
     # Unrolled's head weight gradient may run beside the stage's backward: added to it.
     assert last["unrolled"]["forward_working"] == 0
     assert fd["peak"] == static + max(fd["stashed_activations"] + fd["recompute"] + fd["backward_working"],
-                                      fd["stashed_activations"] + fd["forward_working"], fd["optimizer_update"])
+                                      fd["stashed_activations"] + fd["optimizer_early"] + fd["forward_working"],
+                                      fd["optimizer_update"])
     assert one["peak"] - one["boundary_buffers"] - one["stashed_activations"] == (
         static - fd["boundary_buffers"] + one["recompute"] + one["backward_working"] + one["loss_head"])
+
+
+_MLP_BF16 = ("toy.classifier.BlobsMlpGPipe", ["BlobsMlpGPipe.hidden_dims=(64, 64, 64, 64)", "BlobsMlpGPipe.input_dim=64",
+                                             "BlobsMlpGPipe.dropout_rate=0.0", "BlobsMlpGPipe.batch_size=32"])
+
+
+def _mlp_plan(schedule, remat="never", m=8, k=2, fprop_dtype="bfloat16"):
+    model, gin = _MLP_BF16
+    params, _ = experiment.resolve_params(model, gin_bindings=gin, overrides=(
+        f"task.network.num_stages={k},task.network.num_micro_batches={m},task.network.remat='{remat}',"
+        f"task.network.schedule={schedule},task.fprop_dtype={fprop_dtype}"))
+    pipe = dict(find_pipelines(params.task))["task.network"]  # the task's precision inherited, as inspect plans
+    return plan.plan_pipeline(pipe, params.train)
+
+
+def test_mixed_precision_holds_the_weight_casts_each_schedule_makes():
+    """A stage's bfloat16 casts of its weights: one per stashed micro-batch in fill-drain's loop, one per micro-batch
+    in a windowed loop (each iteration casts as the loop starts), one in unrolled's loop-free graph; with remat
+    none is stashed (the recompute casts once)."""
+    m = 8
+    plans = {name: _mlp_plan(name, m=m) for name in ("fill_drain", "one_f_one_b", "unrolled")}
+    for s in range(2):
+        fd, one, unrolled = (plans[name]["stages"][s] for name in ("fill_drain", "one_f_one_b", "unrolled"))
+        cast = fd["params"] * 2  # a bfloat16 copy of the stage's float32 weights
+        assert fd["stashed_micro_batches"] == unrolled["stashed_micro_batches"] == m
+        assert fd["stashed_activations"] - unrolled["stashed_activations"] == (m - 1) * cast
+        per_micro_batch = (unrolled["stashed_activations"] - cast) // m
+        window = one["stashed_micro_batches"]
+        assert window < m
+        assert one["stashed_activations"] == window * per_micro_batch + m * cast
+    remat = _mlp_plan("fill_drain", remat="always", m=m)
+    assert all(s["stashed_activations"] < s["params"] * 2 for s in remat["stages"])
+
+
+def test_a_device_with_several_chunks_runs_one_chunks_backward_at_a_time():
+    """An interleaved device holds every chunk's weights, stashes and early optimizer temporaries, but the working
+    memory of one chunk's backward (its layer gradient, kernel scratch, recompute) at a time: less than the sum of
+    its chunks' peaks."""
+    model, gin = _MLP_BF16
+    params, _ = experiment.resolve_params(model, gin_bindings=gin, overrides=(
+        "task.network.num_stages=2,task.network.num_micro_batches=4,task.network.remat='always',"
+        "task.network.schedule=interleaved,train.optimizer=gpipe_tf.training.optimizers.Adam"))
+    result = plan.plan_pipeline(params.task.network, params.train)
+    assert result["virtual_stages"] == 2
+    for row in result["devices"]:
+        chunks = [s for s in result["stages"] if s["stage"] in row["stages"]]
+        assert len(chunks) == 2
+        persistent = sum(c["weights"] + c["gradient_sums"] + c["optimizer_slots"] + c["ema"] + c["boundary_buffers"]
+                         for c in chunks)
+        held = sum(c["stashed_activations"] + c["optimizer_early"] for c in chunks)
+        working = max(c["recompute"] + c["backward_working"] - c["optimizer_early"] + c["loss_head"] for c in chunks)
+        update = sum(c["optimizer_update"] for c in chunks)
+        assert row["peak"] == persistent + max(held + working, update)
+        assert row["peak"] < sum(c["peak"] for c in chunks)

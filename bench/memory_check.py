@@ -28,8 +28,8 @@ TOLERANCE = 0.10  # |error| bound
 UNDER = 0.05  # the most a prediction may be under
 
 
-_MLP = ("toy.classifier.BlobsMlpGPipe", ("BlobsMlpGPipe.hidden_dims=(512, 512, 512, 512)",
-                                         "BlobsMlpGPipe.input_dim=512", "BlobsMlpGPipe.dropout_rate=0.0",
+_MLP = ("toy.classifier.BlobsMlpGPipe", ("BlobsMlpGPipe.hidden_dims=(2048, 2048, 2048, 2048)",
+                                         "BlobsMlpGPipe.input_dim=2048", "BlobsMlpGPipe.dropout_rate=0.0",
                                          "BlobsMlpGPipe.batch_size=256"))
 _TRANSFORMER = ("mt.gpipe_paper.TransformerLTinyOffline", (
     "TransformerLTinyOffline.num_layers=4", "TransformerLTinyOffline.model_dim=128",

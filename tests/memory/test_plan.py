@@ -179,8 +179,9 @@ def test_the_loss_head_is_planned_on_the_micro_batches_it_runs_on():
         static - fd["boundary_buffers"] + one["recompute"] + one["backward_working"] + one["loss_head"])
 
 
-_MLP_BF16 = ("toy.classifier.BlobsMlpGPipe", ["BlobsMlpGPipe.hidden_dims=(64, 64, 64, 64)", "BlobsMlpGPipe.input_dim=64",
-                                             "BlobsMlpGPipe.dropout_rate=0.0", "BlobsMlpGPipe.batch_size=32"])
+_MLP_BF16 = ("toy.classifier.BlobsMlpGPipe", ["BlobsMlpGPipe.hidden_dims=(64, 64, 64, 64)",
+                                             "BlobsMlpGPipe.input_dim=64", "BlobsMlpGPipe.dropout_rate=0.0",
+                                             "BlobsMlpGPipe.batch_size=32"])
 
 
 def _mlp_plan(schedule, remat="never", m=8, k=2, fprop_dtype="bfloat16"):

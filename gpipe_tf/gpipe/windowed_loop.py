@@ -13,7 +13,9 @@ How, as one while loop:
   micro-batch i+1 while chunk 1 runs micro-batch i, as in fill-drain; what orders forwards and backwards is the
   order data, as rings of tokens, loop variables on the chunk's device: with `in_flight[c]` = w, chunk c has a
   ring of w tokens and its forward of micro-batch i waits for the token its backward of micro-batch i - w
-  produced, so it never holds more than w micro-batches' stashes. A `forward_waits` entry (c, t, lag) is a ring
+  produced, so it never holds more than w micro-batches' stashes. Under an unsplit order (W with its B) a chunk's
+  backward of micro-batch i waits until micro-batch i - 1's weight gradients are in the sums, so no layer's next
+  weight gradient is computed early beside the previous one and the sum. A `forward_waits` entry (c, t, lag) is a ring
   of `lag` tokens filled by chunk t's forwards and read by chunk c's: F(c, i) waits for F(t, i - lag).
 * The While op, the loop's counter and its condition (its iteration count) sit on this process's CPU, as in
   fill-drain (`fill_drain.py` says why); the counters that index micro-batches start on the chunks that use them.

@@ -194,7 +194,8 @@ class FillDrainLoop:
                 if job.training:
                     self.seed = tf.constant(1.0) if loss.gradient_seed is None else tf.identity(loss.gradient_seed)
                     # Half-precision head weights (cast by the task) still sum their gradients in float32.
-                    head_sums = tuple(tf.zeros(w.shape, loop_parts.sum_dtype(w.dtype)) for w in split.head_weights)
+                    head_sums = tuple(loop_parts.step_zeros(w.shape, loop_parts.sum_dtype(w.dtype))
+                                      for w in split.head_weights)
                 values = tuple(tf.zeros(self.value_spec[n].shape, self.value_spec[n].dtype) for n in self.names)
             aux_zeros = tuple(tf.zeros(sp.shape, sp.dtype) for sp in tf.nest.flatten(job.aux_spec))
         last, first = loop_parts.counters([job.devices[-1], job.devices[0]])
@@ -291,7 +292,7 @@ class FillDrainLoop:
         for c, ws in enumerate(weight_ends):
             with tf.device(job.devices[min(c, job.num_chunks - 1)]):
                 ends += list(ws)
-                starts += [tf.zeros_like(w) for w in ws]
+                starts += [loop_parts.step_zeros(w.shape, w.dtype) for w in ws]
         flat_weights = [w for ws in split.chunk_weights for w in ws]
         inputs = split.inputs if job.input_gradient else []
         head_weights = split.head_weights if differentiated_head else []

@@ -139,6 +139,14 @@ def sum_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
 
 
+def step_zeros(shape: Sequence[int] | tf.TensorShape, dtype: tf.DType) -> tf.Tensor:
+    """Zeros of a static `shape`, made each time the step runs. `tf.zeros` and `tf.zeros_like` of a static shape
+    are folded by Grappler into a constant (up to 10 MiB each) that the compiled function holds for its lifetime:
+    a loop's gradient sums started from them kept one weight-sized buffer per weight between steps, beside the
+    weights. A zero-initialized `Empty` is not folded (XLA compiles it too)."""
+    return tf.raw_ops.Empty(shape=tf.constant(list(shape), tf.int32), dtype=dtype, init=True)
+
+
 def rescale(upstream: tf.Tensor | None, seed: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     """upstream / seed in `dtype`: the factor from gradients seeded with `seed` (a loop that ran its backward
     inside its forward) to the caller's gradients; zero where the caller's tape sent no gradient, and where the

@@ -174,14 +174,14 @@ class WindowedLoop:
             with tf.device(devices[c]):
                 tokens.append(loop_parts.ring(order.in_flight[c]))
                 weight_rings.append(loop_parts.ring(order.weight_window[c]) if order.weight_window else ())
-                sums.append(tuple(tf.zeros_like(w) for w in split.chunk_weights[c]))
+                sums.append(tuple(loop_parts.step_zeros(w.shape, w.dtype) for w in split.chunk_weights[c]))
         forward_rings = []
         for c in self.waiting:
             with tf.device(devices[self.waits[c][0]]):  # filled by chunk t's forward, read by c on the same device
                 forward_rings.append(loop_parts.ring(self.waits[c][1]))
         with tf.device(devices[-1]):
             # Half-precision head weights (cast by the task) still sum their gradients in float32.
-            head_sums = tuple(tf.zeros(w.shape, loop_parts.sum_dtype(w.dtype)) for w in split.head_weights)
+            head_sums = tuple(loop_parts.step_zeros(w.shape, loop_parts.sum_dtype(w.dtype)) for w in split.head_weights)
             values = tuple(tf.zeros(self.value_spec[n].shape, self.value_spec[n].dtype) for n in self.names)
             aux_sums = tuple(tf.zeros(sp.shape, sp.dtype) for sp in tf.nest.flatten(job.aux_spec))
         with tf.device(devices[0]):

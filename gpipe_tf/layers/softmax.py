@@ -105,10 +105,12 @@ class SoftmaxCrossEntropy(BaseLayer):
     @classmethod
     def loss_bytes(cls, p: InstantiableParams, input_spec: tf.TensorSpec) -> int:
         """What the projection and `xent` hold at once in a training step on `input_spec` features, at the start of
-        their backward pass: four logits-sized tensors in the loss's dtype (float32 under mixed precision: the
-        logits; the cross-entropy's targets and log-softmax, kept for the backward; the logits' gradient), and the
-        projection's output in the compute dtype where that is another dtype."""
+        their backward pass: logits-sized tensors in the loss's dtype (float32 under mixed precision): the logits,
+        the gradient the fused cross-entropy computes with its loss and the logits' gradient made from it, and with
+        label smoothing the smoothed targets (the sparse op takes the labels); and the projection's output in the
+        compute dtype where that is another dtype."""
         logits = num_elements(input_spec) // p.input_dim * p.num_classes
         compute = tf.as_dtype(input_spec.dtype)
         loss = sensitive_dtype(tf.as_dtype(p.dtype or "float32"))
-        return logits * (4 * loss.size + (compute.size if compute != loss else 0))
+        kept = 3 + (1 if p.label_smoothing else 0)
+        return logits * (kept * loss.size + (compute.size if compute != loss else 0))

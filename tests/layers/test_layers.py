@@ -146,6 +146,18 @@ def test_bad_layer_params_name_the_field():
         Linear.params().set(input_dim=1, output_dim=1, dtype="int8").instantiate()
 
 
+@pytest.mark.parametrize("smoothing,compute,expected_per_logit", [
+    (0.0, "float32", 3 * 4),  # the logits, the fused op's gradient, the logits' gradient
+    (0.1, "float32", 4 * 4),  # and the smoothed targets
+    (0.0, "bfloat16", 3 * 4 + 2),  # the loss in float32, and the projection's bfloat16 output
+])
+def test_the_loss_heads_planned_bytes_count_the_tensors_its_cross_entropy_keeps(smoothing, compute,
+                                                                                 expected_per_logit):
+    p = SoftmaxCrossEntropy.params().set(name="sm", input_dim=16, num_classes=7, label_smoothing=smoothing)
+    logits = 2 * 5 * 7
+    assert SoftmaxCrossEntropy.loss_bytes(p, tf.TensorSpec([2, 5, 16], compute)) == logits * expected_per_logit
+
+
 def test_xent_of_a_label_outside_the_classes_is_zero_with_zero_gradient():
     """An "ignore" label (-1) or one past the classes has all-zero one-hot targets: loss 0, gradient 0."""
     from gpipe_tf.layers.softmax import smoothed_xent

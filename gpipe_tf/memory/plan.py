@@ -8,6 +8,7 @@ seconds. The stage split is the pipeline's own (`gpipe.plan.make_plan`), the sta
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import tensorflow as tf
@@ -101,9 +102,9 @@ def plan_pipeline(pipe: InstantiableParams, train: Params, path: str = "task.net
         mine = [(s, names, mem) for s, names, mem in stages if order.device(s) == d]
         row: dict[str, Any] = {"device": d, "stages": [s for s, _, _ in mine],
                                "layers": [n for _, names, _ in mine for n in names]}
-        for key in mine[0][2].as_dict():
-            row[key] = sum(mem.as_dict()[key] for _, _, mem in mine)
-        row["peak"] = stage_lib.device_peak([mem for _, _, mem in mine])
+        for key in dataclasses.asdict(mine[0][2]):
+            row[key] = sum(getattr(mem, key) for _, _, mem in mine)
+        row["peak"] = stage_lib.device_peak([mem for _, _, mem in mine])  # not the sum of the chunks' peaks
         row["fits"] = None if device_memory is None else row["peak"] <= device_memory
         devices.append(row)
     fits = None if device_memory is None else all(r["fits"] for r in devices)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow as tf
 
 from gpipe_tf.gpipe import loop_parts
 
@@ -48,7 +49,6 @@ def test_a_training_step_keeps_no_weight_sized_constants(schedule):
 
 
 def test_step_zeros_are_zeros_of_the_shape_and_dtype():
-    import tensorflow as tf
     z = loop_parts.step_zeros([3, 2], tf.bfloat16)
     assert z.dtype == tf.bfloat16 and z.shape == [3, 2]
     assert not bool(tf.reduce_any(tf.cast(z, tf.float32) != 0.0))

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
 
+from gpipe_tf.layers import matmul_layout
+
 _ACTIVE = threading.local()  # .stashes: the stashes being watched while a stage's forward is built
 
 
@@ -125,15 +127,19 @@ def _stashes() -> list[WeightStash]:
 
 def _plain(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     if x.shape.rank == 2:
-        return tf.matmul(x, w)
-    return tf.tensordot(x, w, axes=[[-1], [0]])
+        return matmul_layout.forward(x, w)
+    out_dim = int(w.shape[1])
+    y = matmul_layout.forward(tf.reshape(x, [-1, int(w.shape[0])]), w)
+    y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [out_dim]], 0))
+    y.set_shape(x.shape[:-1].concatenate([out_dim]))
+    return y
 
 
 def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     """x @ w over the last dimension of `x` (any rank >= 2), `w` of shape [input_dim, output_dim].
 
     Inside a `WeightStash.watching` block that watches `w`, the weight gradient of this product is left to the
-    stash (see the module doc); elsewhere this is `tf.matmul` / `tf.tensordot`.
+    stash (see the module doc); elsewhere this is `matmul_layout.forward` on x's rows.
     """
     stashes = _stashes()
     stash = stashes[-1] if stashes else None
@@ -150,7 +156,8 @@ def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     @tf.custom_gradient
     def deferred(x_arg: tf.Tensor, w_arg: tf.Tensor, *placeholders: tf.Tensor) -> tuple[tf.Tensor, object]:
         flat = tf.reshape(x_arg, [-1, in_dim])
-        y = tf.matmul(flat, w_arg)
+        flat.set_shape([rows, in_dim])
+        y = matmul_layout.forward(flat, w_arg)
 
         def grad(dy: tf.Tensor) -> tuple:
             dy_rows = tf.reshape(dy, [-1, out_dim])

@@ -1,0 +1,102 @@
+"""The operand layout of a dense layer's forward matmul on CPUs whose oneDNN kernels stop below AVX-512.
+
+oneDNN's single-thread matmul of x [rows, in] by w [in, out] runs at about half its speed for 128 to 1023 rows
+when its kernels are limited to AVX2 (a CPU without AVX-512, or `ONEDNN_MAX_CPU_ISA=AVX2`), while the same product
+with w transposed (x times w^T as `transpose_b`) runs at full speed; with AVX-512 kernels the plain form is the
+faster one. Measured on one machine, single thread, both ways (docs/benchmarks.md#forward-matmul-layout has the
+command): AVX2 kernels, 256 rows, in 512, out 2048: 50 GFLOP/s plain, 80 GFLOP/s with the transpose made per call;
+AVX-512 kernels: 99 and 91.
+
+`forward(x, w)` returns x @ w for a 2-D x, taking the transposed form where `use_transposed` says so; its gradient
+is the plain product's (dx = dy w^T, dw = x^T dy), so only the forward changes. The transposed copy of w is made
+per call and freed after it: a weight-sized temporary, never held across micro-batches. `Snapshot` keeps Grappler
+from folding the transpose back into the matmul's flags (which would restore the slow form).
+
+`GPIPE_TF_MATMUL_LAYOUT` chooses: `auto` (default, the rule above), `plain` or `transposed` (everywhere on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import tensorflow as tf
+
+LAYOUTS = ("auto", "plain", "transposed")
+# The rows for which the transposed form measured faster with AVX2 kernels (docs/benchmarks.md).
+TRANSPOSED_ROWS = range(128, 1024)
+# oneDNN's ISA names that are AVX-512 or above (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA values).
+_WIDE_ISA_PREFIXES = ("AVX512", "AVX10", "ALL", "DEFAULT")
+
+
+def layout_setting() -> str:
+    """`GPIPE_TF_MATMUL_LAYOUT`, checked: one of LAYOUTS."""
+    value = os.environ.get("GPIPE_TF_MATMUL_LAYOUT", "auto").strip().lower()
+    if value not in LAYOUTS:
+        raise ValueError(f"GPIPE_TF_MATMUL_LAYOUT={value!r} is not a layout; use one of {', '.join(LAYOUTS)} "
+                         "(or unset it for auto)")
+    return value
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:  # not Linux: no flags to read, and so no rule that depends on them
+        return set()
+    return set()
+
+
+def onednn_below_avx512(environ: dict[str, str] | None = None, cpu_flags: set[str] | None = None) -> bool:
+    """Whether TensorFlow's oneDNN kernels run here and are limited below AVX-512: oneDNN on
+    (TF_ENABLE_ONEDNN_OPTS not 0) and either a cap (ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA below AVX512) or a CPU
+    without avx512f. `environ` and `cpu_flags` default to this process's."""
+    env = os.environ if environ is None else environ
+    if env.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() in ("0", "false", "False"):
+        return False
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        cap = env.get(name, "").strip().upper()
+        if cap and not cap.startswith(_WIDE_ISA_PREFIXES):
+            return True
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return bool(flags) and "avx512f" not in flags
+
+
+@functools.lru_cache(maxsize=1)
+def _below_avx512_here() -> bool:
+    return onednn_below_avx512()
+
+
+def use_transposed(rows: int | None, device: str, setting: str | None = None,
+                   below_avx512: bool | None = None) -> bool:
+    """Whether a forward matmul of `rows` rows placed on `device` (the device scope's string, '' if none) takes
+    the transposed form: only on CPU (an accelerator's compiler picks its own layout), always with 'transposed',
+    never with 'plain', and with 'auto' when oneDNN is below AVX-512 and `rows` is in TRANSPOSED_ROWS."""
+    setting = layout_setting() if setting is None else setting
+    if setting == "plain" or "GPU" in device.upper() or "TPU" in device.upper():
+        return False
+    if setting == "transposed":
+        return True
+    below = _below_avx512_here() if below_avx512 is None else below_avx512
+    return below and rows is not None and rows in TRANSPOSED_ROWS
+
+
+def forward(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    """x [rows, in] @ w [in, out], in the layout `use_transposed` chooses for x's rows and device (the device its
+    op was placed on or asked for; '' without a scope, where a machine with GPUs would place it on one)."""
+    device = x.device or ("GPU" if tf.config.list_logical_devices("GPU") else "")
+    if not use_transposed(x.shape[0], device):
+        return tf.matmul(x, w)
+    return _transposed_product(x, w)
+
+
+@tf.custom_gradient
+def _transposed_product(x: tf.Tensor, w: tf.Tensor) -> tuple[tf.Tensor, object]:
+    w_t = tf.raw_ops.Snapshot(input=tf.transpose(w))
+
+    def grad(dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        return tf.matmul(dy, w, transpose_b=True), tf.matmul(x, dy, transpose_a=True)
+
+    return tf.matmul(x, w_t, transpose_b=True), grad

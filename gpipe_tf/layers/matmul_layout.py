@@ -8,9 +8,12 @@ command): AVX2 kernels, 256 rows, in 512, out 2048: 50 GFLOP/s plain, 80 GFLOP/s
 AVX-512 kernels: 99 and 91.
 
 `forward(x, w)` returns x @ w for a 2-D x, taking the transposed form where `use_transposed` says so; its gradient
-is the plain product's (dx = dy w^T, dw = x^T dy), so only the forward changes. The transposed copy of w is made
-per call and freed after it: a weight-sized temporary, never held across micro-batches. `Snapshot` keeps Grappler
-from folding the transpose back into the matmul's flags (which would restore the slow form).
+is the plain product's (dx = dy w^T, dw = x^T dy), so only the forward changes. The transposed copy of w is a
+weight-sized temporary. Where one graph holds the forwards of several micro-batches reading the same weight tensor
+(`Unrolled`), TensorFlow merges their transposes into one, made once per step and held until the last of those
+forwards: the step then holds a transposed copy of the stage's matmul weights through its forward phase (in
+`FillDrain`'s and the windowed loops' bodies it is made per micro-batch and freed after it). `Snapshot` keeps
+Grappler from folding the transpose back into the matmul's flags (which would restore the slow form).
 
 `GPIPE_TF_MATMUL_LAYOUT` chooses: `auto` (default, the rule above), `plain` or `transposed` (everywhere on CPU).
 """

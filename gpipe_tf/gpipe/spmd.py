@@ -27,6 +27,7 @@ from gpipe_tf.gpipe import microbatch, orders
 from gpipe_tf.gpipe.orders import ScheduleOrder
 from gpipe_tf.gpipe.schedule_base import PipelineJob, Schedule
 from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.layers import matmul_layout
 
 
 class SpmdPipeline(Schedule, short_name="spmd"):
@@ -53,7 +54,8 @@ class SpmdPipeline(Schedule, short_name="spmd"):
 
             def stage(args: tuple) -> Any:
                 weights, x = args
-                return job.run_chunk(0, list(weights), x, ctx)
+                with matmul_layout.plain():  # vectorized: batched matmuls, outside the layout rule
+                    return job.run_chunk(0, list(weights), x, ctx)
 
             def body(t: tf.Tensor, slots: Any, outputs: Any) -> tuple:
                 fed = tf.nest.map_structure(lambda mb: tf.gather(mb, tf.minimum(t, m - 1)), micro)

@@ -12,16 +12,20 @@ is the plain product's (dx = dy w^T, dw = x^T dy), so only the forward changes. 
 weight-sized temporary. Where one graph holds the forwards of several micro-batches reading the same weight tensor
 (`Unrolled`), TensorFlow merges their transposes into one, made once per step and held until the last of those
 forwards: the step then holds a transposed copy of the stage's matmul weights through its forward phase (in
-`FillDrain`'s and the windowed loops' bodies it is made per micro-batch and freed after it). `Snapshot` keeps
-Grappler from folding the transpose back into the matmul's flags (which would restore the slow form).
+`FillDrain`'s and the windowed loops' bodies it is made per micro-batch and freed after it). `EnsureShape` keeps
+Grappler from folding the transpose back into the matmul's flags (which would restore the slow form; `Identity`
+does not keep it, `Snapshot` does but has no gradient for `vectorized_map` to differentiate).
 
 `GPIPE_TF_MATMUL_LAYOUT` chooses: `auto` (default, the rule above), `plain` or `transposed` (everywhere on CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from collections.abc import Iterator
 
 import tensorflow as tf
 
@@ -30,6 +34,19 @@ LAYOUTS = ("auto", "plain", "transposed")
 TRANSPOSED_ROWS = range(128, 1024)
 # oneDNN's ISA names that are AVX-512 or above (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA values).
 _WIDE_ISA_PREFIXES = ("AVX512", "AVX10", "ALL", "DEFAULT")
+_PLAIN = threading.local()  # .depth: how many `plain` blocks are open on this thread
+
+
+@contextlib.contextmanager
+def plain() -> Iterator[None]:
+    """Within this block every forward takes the plain form, whatever the setting: for code that rebuilds the ops
+    it is given (`tf.vectorized_map` turns the 2-D matmuls the rule was measured on into batched ones, and XLA
+    cannot compile the gradient of a vectorized transpose)."""
+    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PLAIN.depth -= 1
 
 
 def layout_setting() -> str:
@@ -76,9 +93,9 @@ def use_transposed(rows: int | None, device: str, setting: str | None = None,
                    below_avx512: bool | None = None) -> bool:
     """Whether a forward matmul of `rows` rows placed on `device` (the device scope's string, '' if none) takes
     the transposed form: only on CPU (an accelerator's compiler picks its own layout), always with 'transposed',
-    never with 'plain', and with 'auto' when oneDNN is below AVX-512 and `rows` is in TRANSPOSED_ROWS."""
+    never with 'plain' or inside a `plain` block, and with 'auto' when oneDNN is below AVX-512 and `rows` is in TRANSPOSED_ROWS."""
     setting = layout_setting() if setting is None else setting
-    if setting == "plain" or "GPU" in device.upper() or "TPU" in device.upper():
+    if setting == "plain" or getattr(_PLAIN, "depth", 0) or "GPU" in device.upper() or "TPU" in device.upper():
         return False
     if setting == "transposed":
         return True
@@ -97,7 +114,7 @@ def forward(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
 
 @tf.custom_gradient
 def _transposed_product(x: tf.Tensor, w: tf.Tensor) -> tuple[tf.Tensor, object]:
-    w_t = tf.raw_ops.Snapshot(input=tf.transpose(w))
+    w_t = tf.ensure_shape(tf.transpose(w), [w.shape[1], w.shape[0]])
 
     def grad(dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         return tf.matmul(dy, w, transpose_b=True), tf.matmul(x, dy, transpose_a=True)

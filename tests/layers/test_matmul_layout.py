@@ -86,5 +86,14 @@ def test_either_layout_computes_the_product_and_its_gradients(monkeypatch, layou
     np.testing.assert_allclose(y.reshape(-1, 5), want, rtol=1e-12)
     np.testing.assert_allclose(dx.reshape(-1, 3), dy @ w.numpy().T, rtol=1e-12)
     np.testing.assert_allclose(dw, x2.T @ dy, rtol=1e-12)
-    # The transposed form is really taken (and kept from Grappler's fold by the Snapshot), the plain one is not.
-    assert ("Snapshot" in ops) is (layout == "transposed")
+    # The transposed form is really taken (and kept from Grappler's fold by the EnsureShape), the plain one is not.
+    assert ("EnsureShape" in ops) is (layout == "transposed")
+
+
+def test_a_plain_block_keeps_the_plain_form_whatever_the_setting():
+    with matmul_layout.plain():
+        assert not matmul_layout.use_transposed(256, "", "transposed", True)
+        with matmul_layout.plain():
+            assert not matmul_layout.use_transposed(256, "", "auto", True)
+        assert not matmul_layout.use_transposed(256, "", "auto", True)
+    assert matmul_layout.use_transposed(256, "", "transposed", True)

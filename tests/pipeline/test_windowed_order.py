@@ -17,6 +17,12 @@ from tests.helpers.pipeline_models import BATCH, mlp_layers
 WIDTH = 6
 
 
+
+@pytest.fixture(autouse=True)
+def plain_layout(monkeypatch):
+    """The graphs below are read op by op: the plain forward's ops, whatever the machine's layout rule."""
+    monkeypatch.setenv("GPIPE_TF_MATMUL_LAYOUT", "plain")
+
 def loop_body(schedule):
     """The windowed loop's body graph of a traced K=2, M=4 training step."""
     layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, "never", schedule_params(schedule, 2))

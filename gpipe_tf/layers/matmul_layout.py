@@ -93,7 +93,8 @@ def use_transposed(rows: int | None, device: str, setting: str | None = None,
                    below_avx512: bool | None = None) -> bool:
     """Whether a forward matmul of `rows` rows placed on `device` (the device scope's string, '' if none) takes
     the transposed form: only on CPU (an accelerator's compiler picks its own layout), always with 'transposed',
-    never with 'plain' or inside a `plain` block, and with 'auto' when oneDNN is below AVX-512 and `rows` is in TRANSPOSED_ROWS."""
+    never with 'plain' or inside a `plain` block, and with 'auto' when oneDNN is below AVX-512 and `rows` is in
+    TRANSPOSED_ROWS."""
     setting = layout_setting() if setting is None else setting
     if setting == "plain" or getattr(_PLAIN, "depth", 0) or "GPU" in device.upper() or "TPU" in device.upper():
         return False

@@ -58,7 +58,7 @@ def main() -> None:
     print(f"oneDNN below AVX-512: {below}; layout setting: {matmul_layout.layout_setting()}")
 
     def transposed(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
-        return tf.matmul(x, tf.ensure_shape(tf.transpose(w), [w.shape[1], w.shape[0]]), transpose_b=True)
+        return tf.matmul(x, matmul_layout.transposed_weight(w), transpose_b=True)
 
     for in_dim, out_dim in SHAPES:
         for rows in ROWS:

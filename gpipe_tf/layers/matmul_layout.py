@@ -8,7 +8,8 @@ command): AVX2 kernels, 256 rows, in 512, out 2048: 50 GFLOP/s plain, 80 GFLOP/s
 AVX-512 kernels: 99 and 91.
 
 `forward(x, w)` returns x @ w for a 2-D x, taking the transposed form where `use_transposed` says so; its gradient
-is the plain product's (dx = dy w^T, dw = x^T dy), so only the forward changes. The transposed copy of w is a
+is the plain product's (dx = dy w^T, dw = x^T dy), so only the forward changes (`product` is the same ops for a
+caller with a gradient of its own). The transposed copy of w is a
 weight-sized temporary. Where one graph holds the forwards of several micro-batches reading the same weight tensor
 (`Unrolled`), TensorFlow merges their transposes into one, made once per step and held until the last of those
 forwards: the step then holds a transposed copy of the stage's matmul weights through its forward phase (in
@@ -74,7 +75,7 @@ def onednn_below_avx512(environ: dict[str, str] | None = None, cpu_flags: set[st
     (TF_ENABLE_ONEDNN_OPTS not 0) and either a cap (ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA below AVX512) or a CPU
     without avx512f. `environ` and `cpu_flags` default to this process's."""
     env = os.environ if environ is None else environ
-    if env.get("TF_ENABLE_ONEDNN_OPTS", "1").strip() in ("0", "false", "False"):
+    if env.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() in ("0", "false"):
         return False
     for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         cap = env.get(name, "").strip().upper()
@@ -104,20 +105,37 @@ def use_transposed(rows: int | None, device: str, setting: str | None = None,
     return below and rows is not None and rows in TRANSPOSED_ROWS
 
 
-def forward(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
-    """x [rows, in] @ w [in, out], in the layout `use_transposed` chooses for x's rows and device (the device its
-    op was placed on or asked for; '' without a scope, where a machine with GPUs would place it on one)."""
+def _takes_transposed(x: tf.Tensor) -> bool:
+    """`use_transposed` for a forward of x: its rows, and the device its op was placed on or asked for ('' without
+    a scope, where a machine with GPUs would place it on one)."""
     device = x.device or ("GPU" if tf.config.list_logical_devices("GPU") else "")
-    if not use_transposed(x.shape[0], device):
-        return tf.matmul(x, w)
-    return _transposed_product(x, w)
+    return use_transposed(x.shape[0], device)
+
+
+def transposed_weight(w: tf.Tensor) -> tf.Tensor:
+    """w^T [out, in] as a tensor of its own: `EnsureShape` keeps Grappler from folding the transpose into the
+    matmul that reads it (see the module doc)."""
+    return tf.ensure_shape(tf.transpose(w), [w.shape[1], w.shape[0]])
+
+
+def product(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    """x [rows, in] @ w [in, out] in the layout the rule chooses, for a caller that defines the gradient itself
+    (a `tf.custom_gradient`): the transposed form's ops have no gradient of their own here."""
+    if _takes_transposed(x):
+        return tf.matmul(x, transposed_weight(w), transpose_b=True)
+    return tf.matmul(x, w)
+
+
+def forward(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+    """x [rows, in] @ w [in, out] in the layout the rule chooses, with the plain product's gradient either way."""
+    if _takes_transposed(x):
+        return _transposed_product(x, w)
+    return tf.matmul(x, w)
 
 
 @tf.custom_gradient
 def _transposed_product(x: tf.Tensor, w: tf.Tensor) -> tuple[tf.Tensor, object]:
-    w_t = tf.ensure_shape(tf.transpose(w), [w.shape[1], w.shape[0]])
-
     def grad(dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         return tf.matmul(dy, w, transpose_b=True), tf.matmul(x, dy, transpose_a=True)
 
-    return tf.matmul(x, w_t, transpose_b=True), grad
+    return tf.matmul(x, transposed_weight(w), transpose_b=True), grad

@@ -125,14 +125,18 @@ def _stashes() -> list[WeightStash]:
     return _ACTIVE.stashes
 
 
-def _plain(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
-    if x.shape.rank == 2:
-        return matmul_layout.forward(x, w)
-    out_dim = int(w.shape[1])
-    y = matmul_layout.forward(tf.reshape(x, [-1, int(w.shape[0])]), w)
-    y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [out_dim]], 0))
-    y.set_shape(x.shape[:-1].concatenate([out_dim]))
-    return y
+def _as_rows(x: tf.Tensor, in_dim: int) -> tf.Tensor:
+    """x [..., in_dim] as [rows, in_dim], rows static where x's leading dimensions are."""
+    flat = tf.reshape(x, [-1, in_dim])
+    flat.set_shape([x.shape[:-1].num_elements(), in_dim])
+    return flat
+
+
+def _from_rows(y: tf.Tensor, x: tf.Tensor, out_dim: int) -> tf.Tensor:
+    """y [rows, out_dim] back in x's leading dimensions: [..., out_dim]."""
+    out = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [out_dim]], 0))
+    out.set_shape(x.shape[:-1].concatenate([out_dim]))
+    return out
 
 
 def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
@@ -144,9 +148,9 @@ def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     stashes = _stashes()
     stash = stashes[-1] if stashes else None
     j = stash.weight_index(w) if stash is not None else None
-    if j is None:
-        return _plain(x, w)
     in_dim, out_dim = int(w.shape[0]), int(w.shape[1])
+    if j is None:
+        return _from_rows(matmul_layout.forward(_as_rows(x, in_dim), w), x, out_dim)
     rows = x.shape[:-1].num_elements()
     stash.calls.append(MatmulCall(j, rows, in_dim, out_dim, w.dtype))
     route = stash._route()
@@ -155,9 +159,8 @@ def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     # need not be); its gradient through this op is None: the stash holds it.
     @tf.custom_gradient
     def deferred(x_arg: tf.Tensor, w_arg: tf.Tensor, *placeholders: tf.Tensor) -> tuple[tf.Tensor, object]:
-        flat = tf.reshape(x_arg, [-1, in_dim])
-        flat.set_shape([rows, in_dim])
-        y = matmul_layout.forward(flat, w_arg)
+        flat = _as_rows(x_arg, in_dim)
+        y = matmul_layout.product(flat, w_arg)  # the layout's ops; the gradient is this function's
 
         def grad(dy: tf.Tensor) -> tuple:
             dy_rows = tf.reshape(dy, [-1, out_dim])
@@ -169,11 +172,9 @@ def matmul(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
             stash.records.append(MatmulRecord(j, flat, dy_rows))
             return dx, None
 
-        return tf.reshape(y, tf.concat([tf.shape(x_arg)[:-1], [out_dim]], 0)), grad
+        return _from_rows(y, x_arg, out_dim), grad
 
-    out = deferred(x, w, *route)
-    out.set_shape(x.shape[:-1].concatenate([out_dim]))
-    return out
+    return deferred(x, w, *route)
 
 
 def weight_gradient(xs: Sequence[tf.Tensor], dys: Sequence[tf.Tensor]) -> tf.Tensor:

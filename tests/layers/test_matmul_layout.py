@@ -3,8 +3,11 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.grappler import tf_optimizer
 
-from gpipe_tf.layers import matmul_layout, weight_gradients
+from gpipe_tf.layers import matmul_layout
+from tests.helpers.deferred_matmul import sin_loss_gradients
 
 RNG = np.random.default_rng(0)
 
@@ -48,30 +51,6 @@ def test_an_unknown_layout_names_the_allowed_ones(monkeypatch):
         matmul_layout.layout_setting()
 
 
-def _product_and_gradients(x, w, watched):
-    """(y, dL/dx, dL/dw or the stash's batched dW, the forward graph's op types) of L = sum(sin(x @ w))."""
-    stash = weight_gradients.WeightStash()
-
-    @tf.function(autograph=False)
-    def run(x, w):
-        with tf.GradientTape() as tape:
-            tape.watch([x, w])
-            if watched:
-                with stash.watching([w]):
-                    y = weight_gradients.matmul(x, w)
-            else:
-                y = weight_gradients.matmul(x, w)
-            loss = tf.reduce_sum(tf.sin(y))
-        dx, dw = tape.gradient(loss, [x, w])
-        if watched:
-            dw = weight_gradients.weight_gradient([r.x for r in stash.records], [r.dy for r in stash.records])
-            stash.records.clear()
-        return y, dx, dw
-
-    graph = run.get_concrete_function(x, w).graph
-    return (*[t.numpy() for t in run(x, w)], {op.type for op in graph.get_operations()})
-
-
 @pytest.mark.parametrize("watched", [False, True])
 @pytest.mark.parametrize("layout", ["plain", "transposed"])
 @pytest.mark.parametrize("shape", [(6, 3), (2, 3, 3)])
@@ -79,15 +58,38 @@ def test_either_layout_computes_the_product_and_its_gradients(monkeypatch, layou
     monkeypatch.setenv("GPIPE_TF_MATMUL_LAYOUT", layout)
     x = tf.constant(RNG.normal(size=shape))
     w = tf.constant(RNG.normal(size=(3, 5)))
-    y, dx, dw, ops = _product_and_gradients(x, w, watched)
+    out = sin_loss_gradients(x, w, watched)
     x2 = x.numpy().reshape(-1, 3)
     want = x2 @ w.numpy()
     dy = np.cos(want)
-    np.testing.assert_allclose(y.reshape(-1, 5), want, rtol=1e-12)
-    np.testing.assert_allclose(dx.reshape(-1, 3), dy @ w.numpy().T, rtol=1e-12)
-    np.testing.assert_allclose(dw, x2.T @ dy, rtol=1e-12)
-    # The transposed form is really taken (and kept from Grappler's fold by the EnsureShape), the plain one is not.
-    assert ("EnsureShape" in ops) is (layout == "transposed")
+    np.testing.assert_allclose(out["y"].numpy().reshape(-1, 5), want, rtol=1e-12)
+    np.testing.assert_allclose(out["dx"].numpy().reshape(-1, 3), dy @ w.numpy().T, rtol=1e-12)
+    np.testing.assert_allclose((out["batched_w"] if watched else out["dw"]).numpy(), x2.T @ dy, rtol=1e-12)
+    assert ("EnsureShape" in out["ops"]) is (layout == "transposed")  # the transposed form is really taken
+
+
+def _optimized_matmuls(product):
+    """(transpose_b, input op names) of each MatMul in the graph of `product(x, w)` after Grappler's rewrites."""
+    @tf.function(autograph=False)
+    def run(x, w):
+        return product(x, w)
+
+    concrete = run.get_concrete_function(tf.TensorSpec([4, 3]), tf.TensorSpec([3, 5]))
+    graph = concrete.graph
+    for t in concrete.outputs:
+        graph.add_to_collection("train_op", t.op)  # what Grappler must keep
+    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph.as_graph_def(), graph=graph)
+    optimized = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta)
+    return [(n.attr["transpose_b"].b, list(n.input)) for n in optimized.node if n.op == "MatMul"]
+
+
+def test_grappler_keeps_the_transposed_weight_where_it_folds_a_bare_transpose(monkeypatch):
+    monkeypatch.setenv("GPIPE_TF_MATMUL_LAYOUT", "transposed")
+    # The control: a transpose behind an Identity is folded back into the plain product (the slow kernel).
+    assert _optimized_matmuls(lambda x, w: tf.matmul(x, tf.identity(tf.transpose(w)), transpose_b=True)) == [
+        (False, ["x", "w"])]
+    [(transpose_b, inputs)] = _optimized_matmuls(matmul_layout.forward)
+    assert transpose_b and inputs[1] != "w", inputs
 
 
 def test_a_plain_block_keeps_the_plain_form_whatever_the_setting():

@@ -13,6 +13,7 @@ from gpipe_tf.layers import weight_gradients
 from gpipe_tf.layers.transformer import TransformerEncoderLayer
 from gpipe_tf.memory.stash import stashed_micro_batches
 from tests.helpers import tiers
+from tests.helpers.deferred_matmul import sin_loss_gradients
 from tests.helpers.loss_in_pipeline import DEPTH, INTERLEAVED, assert_same, build, data, head_fn, loss_and_grads
 from tests.helpers.pipeline_models import DEVICES, mlp_layers
 
@@ -25,33 +26,14 @@ def batched(name, **knobs):
 
 
 # ---------------------------------------------------------------------------------------- the deferred matmul
-def deferred_gradients(x, w, extra_use):
-    """(dL/dx, dL/dw from the tape, the stash's records) of L = sum(sin(x @ w)) (+ sum(w^2) if extra_use)."""
-    stash = weight_gradients.WeightStash()
-
-    @tf.function(autograph=False)
-    def run(x, w):
-        with tf.GradientTape() as tape:
-            tape.watch([x, w])
-            with stash.watching([w]):
-                y = weight_gradients.matmul(x, w)
-            loss = tf.reduce_sum(tf.sin(y)) + (tf.reduce_sum(w * w) if extra_use else 0.0)
-        dx, dw = tape.gradient(loss, [x, w])
-        records = [(r.weight, r.x, r.dy) for r in stash.records]
-        stash.records.clear()
-        batched_w = weight_gradients.weight_gradient([r[1] for r in records], [r[2] for r in records])
-        return dx, dw, batched_w, [r[0] for r in records]
-
-    return run(x, w)
-
-
 @pytest.mark.parametrize("shape", [(5, 3), (2, 4, 3)])
 def test_a_watched_matmul_leaves_its_weight_gradient_to_the_stash(shape):
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=shape))
     w = tf.constant(rng.normal(size=(3, 4)))
-    dx, dw, batched_w, weights = deferred_gradients(x, w, extra_use=False)
-    assert dw is None and [int(j) for j in weights] == [0]
+    out = sin_loss_gradients(x, w)
+    dx, batched_w = out["dx"], out["batched_w"]
+    assert out["dw"] is None and [int(j) for j in out["weights"]] == [0]
     y = np.tensordot(x.numpy(), w.numpy(), axes=[[-1], [0]])
     dy = np.cos(y)
     np.testing.assert_allclose(dx.numpy(), np.tensordot(dy, w.numpy().T, axes=[[-1], [0]]), rtol=1e-12)
@@ -61,7 +43,8 @@ def test_a_watched_matmul_leaves_its_weight_gradient_to_the_stash(shape):
 def test_other_uses_of_a_watched_weight_keep_their_gradient_on_the_tape():
     rng = np.random.default_rng(1)
     x, w = tf.constant(rng.normal(size=(5, 3))), tf.constant(rng.normal(size=(3, 4)))
-    _, dw, batched_w, _ = deferred_gradients(x, w, extra_use=True)
+    out = sin_loss_gradients(x, w, extra_use=True)
+    dw, batched_w = out["dw"], out["batched_w"]
     np.testing.assert_allclose(dw.numpy(), 2 * w.numpy(), rtol=1e-12)  # the sum(w^2) part only
     dy = np.cos(x.numpy() @ w.numpy())
     np.testing.assert_allclose(batched_w.numpy(), x.numpy().T @ dy, rtol=1e-12)

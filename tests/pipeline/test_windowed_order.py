@@ -17,11 +17,11 @@ from tests.helpers.pipeline_models import BATCH, mlp_layers
 WIDTH = 6
 
 
-
 @pytest.fixture(autouse=True)
 def plain_layout(monkeypatch):
     """The graphs below are read op by op: the plain forward's ops, whatever the machine's layout rule."""
     monkeypatch.setenv("GPIPE_TF_MATMUL_LAYOUT", "plain")
+
 
 def loop_body(schedule):
     """The windowed loop's body graph of a traced K=2, M=4 training step."""

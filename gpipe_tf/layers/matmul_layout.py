@@ -4,8 +4,8 @@ oneDNN's single-thread matmul of x [rows, in] by w [in, out] runs at about half 
 when its kernels are limited to AVX2 (a CPU without AVX-512, or `ONEDNN_MAX_CPU_ISA=AVX2`), while the same product
 with w transposed (x times w^T as `transpose_b`) runs at full speed; with AVX-512 kernels the plain form is the
 faster one. Measured on one machine, single thread, both ways (docs/benchmarks.md#forward-matmul-layout has the
-command): AVX2 kernels, 256 rows, in 512, out 2048: 50 GFLOP/s plain, 80 GFLOP/s with the transpose made per call;
-AVX-512 kernels: 99 and 91.
+command and its lines): AVX2 kernels, 256 rows, in 512, out 2048: 46 GFLOP/s plain, 65 GFLOP/s with the transpose
+made per call; AVX-512 kernels: 100 and 91.
 
 `forward(x, w)` returns x @ w for a 2-D x, taking the transposed form where `use_transposed` says so; its gradient
 is the plain product's (dx = dy w^T, dw = x^T dy), so only the forward changes (`product` is the same ops for a

@@ -9,13 +9,13 @@ made per call; AVX-512 kernels: 100 and 91.
 
 `forward(x, w)` returns x @ w for a 2-D x, taking the transposed form where `use_transposed` says so; its gradient
 is the plain product's (dx = dy w^T, dw = x^T dy), so only the forward changes (`product` is the same ops for a
-caller with a gradient of its own). The transposed copy of w is a
-weight-sized temporary. Where one graph holds the forwards of several micro-batches reading the same weight tensor
-(`Unrolled`), TensorFlow merges their transposes into one, made once per step and held until the last of those
-forwards: the step then holds a transposed copy of the stage's matmul weights through its forward phase (in
-`FillDrain`'s and the windowed loops' bodies it is made per micro-batch and freed after it). `EnsureShape` keeps
-Grappler from folding the transpose back into the matmul's flags (which would restore the slow form; `Identity`
-does not keep it, `Snapshot` does but has no gradient for `vectorized_map` to differentiate).
+caller with a gradient of its own). The transposed copy of w is a weight-sized temporary. Where one graph holds
+the forwards of several micro-batches reading the same weight tensor (`Unrolled`), TensorFlow merges their
+transposes into one per step (a profile of the one-worker M=8 step shows about one transpose of every weight per
+step), held until the last of those forwards: the step then holds a transposed copy of the stage's matmul weights
+through its forward phase. A loop's body (`FillDrain`, the windowed loops) makes it once per iteration.
+`EnsureShape` keeps Grappler from folding the transpose back into the matmul's flags (which would restore the slow
+form; `Identity` does not keep it, `Snapshot` does but has no gradient for `vectorized_map` to differentiate).
 
 `GPIPE_TF_MATMUL_LAYOUT` chooses: `auto` (default, the rule above), `plain` or `transposed` (everywhere on CPU).
 """

@@ -18,7 +18,9 @@ micro-batch i. Their dependencies:
 * B(c, i) after the chunk's previous backward: of i+1 where backwards go last to first, else of i-1;
 * `in_flight[c]` = w: F(c, i) after B(c, i - w): chunk c holds at most w micro-batches between their forward
   and their backward (the loop's ring of w tokens per chunk);
-* `forward_waits` (c, t, lag): F(c, i) after F(t, i - lag) (a further ring on one device).
+* `forward_waits` (c, t, lag): F(c, i) after F(t, i - lag) (a further ring on one device);
+* `backward_waits` (c, t, lag): F(c, i) after B(t, i - lag) (a ring filled by another chunk's backward, on one
+  device): what bounds the sum of two chunks' stashes on a device where each window bounds only its own chunk.
 
 With `weight_window` (zero-bubble orders) a chunk's backward is two cells: B(c, i), the input gradient, which the
 previous chunk waits for, and W(c, i), the weight gradients, which only the optimizer needs. The in-flight window
@@ -60,6 +62,7 @@ class ScheduleOrder:
       in_flight: per chunk, the most micro-batches it holds between forward and backward; None: no bound
         (every forward may run before any backward).
       forward_waits: (chunk c, chunk t, lag): F(c, i) also waits for F(t, i - lag).
+      backward_waits: (chunk c, chunk t, lag): F(c, i) also waits for B(t, i - lag).
       loss_per_micro_batch: the last chunk computes each micro-batch's loss and its gradient right after its
         forward (1F1B); False: the backward starts from the gradient of the whole output.
       head_in_forward: the last chunk computes each micro-batch's loss (and its output gradient) right after its
@@ -81,6 +84,7 @@ class ScheduleOrder:
     virtual_stages: int = 1
     in_flight: tuple[int, ...] | None = None
     forward_waits: tuple[tuple[int, int, int], ...] = ()
+    backward_waits: tuple[tuple[int, int, int], ...] = ()
     loss_per_micro_batch: bool = False
     head_in_forward: bool = False
     backward_reversed: bool = True
@@ -112,10 +116,11 @@ class ScheduleOrder:
             raise ParamsError(f"ScheduleOrder.weight_window={self.weight_window!r} with batched_weights=True: batched "
                               "weight gradients run after the last backward, so no window bounds them; give one "
                               "of the two (`with_batched_weights` drops the window)")
-        for s, t, lag in self.forward_waits:
-            if not (0 <= s < self.num_chunks and 0 <= t < self.num_chunks and lag >= 1):
-                raise ParamsError(f"ScheduleOrder.forward_waits entry {(s, t, lag)!r} is invalid: chunks in "
-                                  f"[0, {self.num_chunks}) and a lag >= 1")
+        for field, waits in (("forward_waits", self.forward_waits), ("backward_waits", self.backward_waits)):
+            for s, t, lag in waits:
+                if not (0 <= s < self.num_chunks and 0 <= t < self.num_chunks and lag >= 1):
+                    raise ParamsError(f"ScheduleOrder.{field} entry {(s, t, lag)!r} is invalid: chunks in "
+                                      f"[0, {self.num_chunks}) and a lag >= 1")
 
     @property
     def num_chunks(self) -> int:
@@ -187,6 +192,7 @@ class ScheduleOrder:
             if self.in_flight is not None and i - self.in_flight[s] >= 0:
                 deps.append((BACKWARD, s, i - self.in_flight[s]))
             deps += [(FORWARD, t, i - lag) for w, t, lag in self.forward_waits if w == s and i - lag >= 0]
+            deps += [(BACKWARD, t, i - lag) for w, t, lag in self.backward_waits if w == s and i - lag >= 0]
             if self.weight_window is not None and i - self.weight_window[s] >= 0:
                 deps.append((WEIGHT, s, i - self.weight_window[s]))
             return deps
@@ -205,8 +211,10 @@ class ScheduleOrder:
 
 
 def with_batched_weights(order: ScheduleOrder) -> ScheduleOrder:
-    """`order` with its weight gradients batched after each chunk's last backward (and no weight window)."""
-    return dataclasses.replace(order, weight_window=None, batched_weights=True)
+    """`order` with its weight gradients batched after each chunk's last backward, and no weight window and no
+    `backward_waits`: every chunk keeps its matmuls' inputs and output gradients of all M micro-batches for the
+    batched W, so a wait that bounds what two chunks hold together would cost its bubble and save little."""
+    return dataclasses.replace(order, weight_window=None, batched_weights=True, backward_waits=())
 
 
 def fill_drain(num_devices: int) -> ScheduleOrder:
@@ -245,9 +253,15 @@ def zero_bubble_v(num_devices: int) -> ScheduleOrder:
     """ZB-V (Qi et al., 2024; torch's ScheduleZBVZeroBubble): 2K chunks in a V, device d holding chunks d and
     2K-1-d, so the first and the last chunk (and the loss) share device 0 and the turn of the V stays on device
     K-1 with no transfer. The windows are ZB-H1's over the 2K chunks: chunk c holds at most 2K - c micro-batches
-    between its forward and its input gradient, and as many weight gradients may wait, so W fills the bubbles."""
+    between its forward and its input gradient, and as many weight gradients may wait, so W fills the bubbles.
+
+    The windows bound each chunk alone: device d's two chunks could hold 2K - d and d + 1 micro-batches at once,
+    2K + 1 half-stages. As in the paper's schedule (and torch's), each of a device's two chunks also starts
+    micro-batch i only after the other's backward of micro-batch i - K (`backward_waits`), so the device holds at
+    most 2K half-stages, the K whole stages 1F1B's first device holds."""
     k = num_devices
     chunks = 2 * k
     windows = tuple(chunks - c for c in range(chunks))
     return ScheduleOrder("zero_bubble_v", k, 2, in_flight=windows, loss_per_micro_batch=True, backward_reversed=False,
-                         weight_window=windows, chunk_devices=tuple(min(c, chunks - 1 - c) for c in range(chunks)))
+                         weight_window=windows, chunk_devices=tuple(min(c, chunks - 1 - c) for c in range(chunks)),
+                         backward_waits=tuple((c, chunks - 1 - c, k) for c in range(chunks)))

@@ -321,7 +321,7 @@ def _simulate(order: ScheduleOrder, m: int, costs: dict[str, list[float]], defer
     if len(cells) != len(keys):  # an order whose rings wait on each other in a circle must not pass silently
         stuck = sorted(key for key in keys if key not in ends)[:4]
         raise ParamsError(f"the {order.name} order deadlocks: cells such as {stuck} wait on each other; fix its "
-                          "in_flight windows or forward_waits")
+                          "in_flight windows, forward_waits or backward_waits")
     return cells
 
 

@@ -1,7 +1,7 @@
 """The loop of the schedules whose loss runs inside the pipeline (1F1B, Interleaved, ZeroBubble, ZeroBubbleV): every
 micro-batch's forward, loss and backward in one while loop over the job's chunks (`orders.py` defines stage, chunk
-and lap), ordered by the schedule's order data (`orders.ScheduleOrder`'s `in_flight` windows and `forward_waits`),
-a graph constant in M.
+and lap), ordered by the schedule's order data (`orders.ScheduleOrder`'s `in_flight` windows, `forward_waits` and
+`backward_waits`), a graph constant in M.
 
 How, as one while loop:
 
@@ -16,7 +16,9 @@ How, as one while loop:
   produced, so it never holds more than w micro-batches' stashes. Under an unsplit order (W with its B) a chunk's
   backward of micro-batch i waits until micro-batch i - 1's weight gradients are in the sums, so no layer's next
   weight gradient is computed early beside the previous one and the sum. A `forward_waits` entry (c, t, lag) is a ring
-  of `lag` tokens filled by chunk t's forwards and read by chunk c's: F(c, i) waits for F(t, i - lag).
+  of `lag` tokens filled by chunk t's forwards and read by chunk c's: F(c, i) waits for F(t, i - lag). A
+  `backward_waits` entry (c, t, lag) is a ring of `lag` tokens filled by chunk t's backwards (the token its own
+  ring gets) and read by chunk c's forwards: F(c, i) waits for B(t, i - lag).
 * The While op, the loop's counter and its condition (its iteration count) sit on this process's CPU, as in
   fill-drain (`fill_drain.py` says why); the counters that index micro-batches start on the chunks that use them.
 * The pipeline is one `tf.custom_gradient` op whose forward already computed the gradients (seeded with the
@@ -95,6 +97,7 @@ class LoopState(NamedTuple):
     head_weights: tuple  # the loss head's weights, passed through unchanged
     tokens: tuple  # per chunk, a ring of in_flight[c] tokens, each made by a backward (B, or B and W)
     forward_rings: tuple  # per chunk that waits for another's forward (`forward_waits`), a ring of lag tokens
+    backward_rings: tuple  # per `backward_waits` entry, a ring of lag tokens filled by that chunk's backward
     weight_rings: tuple  # per chunk, a ring of weight_window[c] tokens made by its W (split orders), else ()
     grad_sums: tuple  # per chunk, the sums of its weights' gradients
     head_sums: tuple  # the sums of the loss head's weight gradients
@@ -179,6 +182,10 @@ class WindowedLoop:
         for c in self.waiting:
             with tf.device(devices[self.waits[c][0]]):  # filled by chunk t's forward, read by c on the same device
                 forward_rings.append(loop_parts.ring(self.waits[c][1]))
+        backward_rings = []
+        for _, t, lag in order.backward_waits:
+            with tf.device(devices[t]):  # filled by chunk t's backward
+                backward_rings.append(loop_parts.ring(lag))
         with tf.device(devices[-1]):
             # Half-precision head weights (cast by the task) still sum their gradients in float32.
             head_sums = tuple(loop_parts.step_zeros(w.shape, loop_parts.sum_dtype(w.dtype)) for w in split.head_weights)
@@ -191,7 +198,8 @@ class WindowedLoop:
         first, last = loop_parts.counters([devices[0], devices[-1]])
         return LoopState(first=first, last=last, weights=tuple(tuple(ws) for ws in split.chunk_weights),
                          head_weights=tuple(split.head_weights), tokens=tuple(tokens),
-                         forward_rings=tuple(forward_rings), weight_rings=tuple(weight_rings), grad_sums=tuple(sums),
+                         forward_rings=tuple(forward_rings), backward_rings=tuple(backward_rings),
+                         weight_rings=tuple(weight_rings), grad_sums=tuple(sums),
                          head_sums=head_sums, values=values, kept=self.stash_layout.empty(), aux_sums=aux_sums,
                          input_gradients=arrays)
 
@@ -220,6 +228,8 @@ class WindowedLoop:
                 before = [state.tokens[c][0]]
                 before += [state.forward_rings[self.waiting.index(c)][0]] if c in self.waits else []
                 before += [state.weight_rings[c][0]] if self.order.weight_window else []
+                before += [ring[0] for ring, (w, _, _) in zip(state.backward_rings, self.order.backward_waits)
+                           if w == c]
                 with tf.control_dependencies(before):
                     h = tf.nest.map_structure(tf.identity, h)
                 records.append(StageForward(loop_parts.chunk_fn(job, c, ctx), state.weights[c], h,
@@ -252,6 +262,7 @@ class WindowedLoop:
         gradient of the pipeline's input on this micro-batch)."""
         n = self.job.num_chunks
         sums, tokens, weight_rings, kept = [None] * n, [None] * n, [()] * n, list(state.kept)
+        backward_rings = list(state.backward_rings)
         for c in reversed(range(n)):
             with placement.on_stage(self.job.chunk_scopes[c]), tf.name_scope("backward"):
                 # Unsplit orders (W with its B): the chunk's backward of this micro-batch starts once the
@@ -267,12 +278,16 @@ class WindowedLoop:
                 # weight gradients (W) of weight_window[c] micro-batches back through their own ring. A first
                 # chunk without an input gradient has no B: its token waits for W, as in 1F1B.
                 b_then_w = bool(self.order.weight_window) and bool(dx)
-                tokens[c] = loop_parts.advance(state.tokens[c], list(dx) if b_then_w else list(sums[c]) + list(dx))
+                token_after = list(dx) if b_then_w else list(sums[c]) + list(dx)
+                tokens[c] = loop_parts.advance(state.tokens[c], token_after)
+                for j, (_, t, _) in enumerate(self.order.backward_waits):
+                    if t == c:
+                        backward_rings[j] = loop_parts.advance(state.backward_rings[j], token_after)
                 if self.order.weight_window:
                     weight_rings[c] = loop_parts.advance(state.weight_rings[c], sums[c])
                 dy = dx
         state = state._replace(grad_sums=tuple(sums), tokens=tuple(tokens), weight_rings=tuple(weight_rings),
-                               kept=tuple(kept))
+                               kept=tuple(kept), backward_rings=tuple(backward_rings))
         return state, dy
 
     def finish(self, final: LoopState) -> Sequence[tuple[tf.Tensor, ...]]:

@@ -27,9 +27,9 @@ def test_stash_counts_come_from_each_schedules_order_data():
     assert stashed_micro_batches(_order("interleaved", 2, virtual_stages=2), 8) == [4, 3, 2, 1]
     # Zero bubble: 1F1B's window (its loop runs each micro-batch's W right after its B).
     assert stashed_micro_batches(_order("zero_bubble", 2), 8) == [2, 1]
-    # ZeroBubbleV, K=2: chunks 0..3 on devices 0, 1, 1, 0; each chunk alone reaches its window plus the waiting W
-    # (8, 6, 4, 2 at M=8: 10 per device), but a device's two chunks peak at different times: 4 + 1 and 3 + 2.
-    assert stashed_micro_batches(_order("zero_bubble_v", 2), 8) == [4, 3, 2, 1]
+    # ZeroBubbleV, K=2: chunks 0..3 on devices 0, 1, 1, 0, windows 4, 3, 2, 1; the V's backward waits keep each
+    # device at 2K = 4 half-stages: 3 + 1 and 2 + 2.
+    assert stashed_micro_batches(_order("zero_bubble_v", 2), 8) == [3, 2, 2, 1]
 
 
 def _named(name, **fields):

@@ -212,14 +212,16 @@ def _while_inputs(graph):
 
 
 def test_the_loop_builds_its_token_rings_from_the_order_data(reference):
-    # 1F1B at K=2 states windows (2, 1): three tokens. An order with windows (3, 3) and a forward wait of lag 2
-    # gives the loop 3 + 2 more loop variables, and the same loss and gradients (the order changes no math).
+    # 1F1B at K=2 states windows (2, 1): three tokens. An order with windows (3, 3), a forward wait of lag 2 and a
+    # backward wait of lag 2 gives the loop 3 + 2 + 2 more loop variables, and the same loss and gradients (the
+    # order changes no math).
     from gpipe_tf.gpipe import orders
 
     x, targets, head, ref = reference
     widths = []
     for custom in (None, orders.ScheduleOrder("wide", 2, in_flight=(3, 3), forward_waits=((1, 0, 2),),
-                                              loss_per_micro_batch=True, backward_reversed=False)):
+                                              backward_waits=((0, 1, 2),), loss_per_micro_batch=True,
+                                              backward_reversed=False)):
         layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, 4, "never", "one_f_one_b")
         if custom is not None:
             layer.schedule.step_order = lambda k, custom=custom: custom
@@ -233,7 +235,7 @@ def test_the_loop_builds_its_token_rings_from_the_order_data(reference):
             loss = PipelineLoss(head_fn, (head,), targets)
             return layer.fprop_with_loss(layer.theta, x, loss, FPropContext(training=True))["loss"]
         widths.append(_while_inputs(step.get_concrete_function(x).graph))
-    assert len(widths[0]) == len(widths[1]) == 1 and widths[1][0] - widths[0][0] == 5, widths
+    assert len(widths[0]) == len(widths[1]) == 1 and widths[1][0] - widths[0][0] == 7, widths
 
 
 def test_zero_bubble_adds_a_weight_ring_per_stage_to_one_f_one_bs_loop(reference):

@@ -14,6 +14,7 @@ from gpipe_tf.gpipe import orders, timeline
 from gpipe_tf.gpipe.plan import StagePlan
 from gpipe_tf.gpipe.schedules import schedule_params
 from gpipe_tf.hyperparams import ParamsError
+from gpipe_tf.memory.stash import stashed_micro_batches
 from gpipe_tf.training import pipeline_report
 from gpipe_tf.training import timeline_pictures as pictures
 
@@ -507,12 +508,31 @@ def test_invalid_schedule_arguments_name_the_value(kwargs, names):
         predict(**args)
 
 
+@pytest.mark.parametrize("k,m", [(1, 4), (2, 8), (3, 12), (4, 16), (4, 8)])
+def test_zero_bubble_v_holds_on_each_device_what_1f1b_holds_on_its_first(k, m):
+    # Each window alone lets device d's two chunks hold 2K - d and d + 1 micro-batches at once, 2K + 1
+    # half-stages; the V's backward waits (each chunk starts micro-batch i after the other's backward of i - K)
+    # keep every device at 2K half-stages: the K whole stages of 1F1B's first device, as in the ZB-V paper.
+    v = orders.zero_bubble_v(k)
+    assert v.dependencies("F", 0, k, m)[-1] == ("B", 2 * k - 1, 0)
+    for order, most in ((v, 2 * k), (dataclasses.replace(v, backward_waits=()), 2 * k + 1)):
+        counts = stashed_micro_batches(order, m)
+        held = [sum(counts[c] for c in range(2 * k) if order.device(c) == d) for d in range(k)]
+        assert held == [most] * k, (order.backward_waits, held)
+    assert stashed_micro_batches(orders.one_f_one_b(k), m)[0] == k
+    # Batched W keeps every micro-batch's matmul operands anyway: no backward waits there.
+    assert orders.with_batched_weights(v).backward_waits == ()
+
+
 def test_order_data_is_checked_and_a_deadlocking_order_is_named():
     with pytest.raises(ParamsError, match=re.escape("ScheduleOrder.in_flight=(1,) is invalid: give one window >= 1 "
                                                     "per chunk (2)")):
         orders.ScheduleOrder("mine", 2, in_flight=(1,))
     with pytest.raises(ParamsError, match=re.escape("forward_waits entry (0, 5, 1) is invalid")):
         orders.ScheduleOrder("mine", 2, forward_waits=((0, 5, 1),))
+    with pytest.raises(ParamsError, match=re.escape("backward_waits entry (1, 0, 0) is invalid: chunks in [0, 2) "
+                                                    "and a lag >= 1")):
+        orders.ScheduleOrder("mine", 2, backward_waits=((1, 0, 0),))
     # Stage 0's forward of micro-batch 1 waits for its backward of 0 (window 1), which needs the whole forward
     # pass (loss after all forwards): a circle, reported rather than hung on.
     circular = orders.ScheduleOrder("circular", 2, in_flight=(1, 1))
@@ -905,12 +925,17 @@ def test_weight_gradients_per_micro_batch_run_right_after_their_input_gradients(
 
 
 def test_weight_gradients_with_their_input_gradients_by_hand():
-    # ZB-V, K=2, M=4, F = 1, B + W = 2 per chunk: W runs right after B, so device 1 (stages 1 and 2, the turn of
-    # the V) and device 0 (stages 0 and 3) pass B+W along as one backward: a makespan of 28 for 24 units of work
-    # on two devices, a bubble of 1 - 24/28 = 14.3%, above the bound for two chunks (11.1%); with W deferred
-    # into the bubbles it is 25 (4.0%).
-    t = predict(2, 4, schedule="zero_bubble_v")
+    # ZB-V's windows alone (without the V's backward waits), K=2, M=4, F = 1, B + W = 2 per chunk: W runs right
+    # after B, so device 1 (stages 1 and 2, the turn of the V) and device 0 (stages 0 and 3) pass B+W along as one
+    # backward: a makespan of 28 for 24 units of work on two devices, a bubble of 1 - 24/28 = 14.3%, above the
+    # bound for two chunks (11.1%); with W deferred into the bubbles it is 25 (4.0%).
+    windows_only = dataclasses.replace(orders.zero_bubble_v(2), backward_waits=())
+    t = timeline.predict(windows_only, 4)
     assert t.makespan == pytest.approx(28.0) and t.bubble_fraction == pytest.approx(1 - 24 / 28)
+    assert timeline.predict(windows_only, 4, defer_weights=True).bubble_fraction == pytest.approx(1 / 25)
+    # With them the step is one unit longer (29): device 0 starts micro-batch 2 only after its last chunk's
+    # backward of micro-batch 0, the price of holding 2K half-stages per device (next test).
+    assert predict(2, 4, schedule="zero_bubble_v").makespan == pytest.approx(29.0)
     assert predict(2, 4, schedule="zero_bubble_v", defer_weights=True).bubble_fraction == pytest.approx(1 / 25)
     with pytest.raises(ParamsError, match=re.escape("defer_weights='yes' is invalid: it must be True (W where the "
                                                     "order allows it) or False (W right after its B, as TensorFlow "

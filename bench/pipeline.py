@@ -3,14 +3,15 @@
 Speed is measured on faithful devices: K single-thread TF worker processes on 127.0.0.1 that this script starts
 and stops, with stage k on worker k and the one-device baseline on worker 0 (logical CPUs in one process share
 one thread pool and say nothing about a schedule). Memory is measured in a separate process on the local CPU
-with `tf.config.experimental.get_memory_info` (it cannot read remote devices).
+with `tf.config.experimental.get_memory_info` (all logical CPUs' bytes together), and per device in another, on 4
+workers that each read their own allocator (`device_memory_worker`).
 
 Prints one JSON line per configuration, then a table. Figures are medians over repeats that alternate the
 configurations, so a slow moment of the machine hits all of them alike; compare ratios, not absolute times.
 
   python -m bench.pipeline --quick        # reduced set, under 10 minutes on 2 cores
   python -m bench.pipeline                # everything
-  python -m bench.pipeline --skip-speed   # memory of workload (b) only
+  python -m bench.pipeline --skip-speed   # memory of workload (b) only: in one process, and per device
   python -m bench.pipeline --breakdown    # where the one-worker step's time goes, by op category, only
   python -m bench.pipeline --timeline     # measured vs predicted timeline of each schedule (PNG, text, JSON)
   python -m bench.pipeline --repredict bench_timelines  # those measurements beside the current prediction
@@ -156,6 +157,8 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         # The one-worker M=8 step with batched W: half of it bounds any K=2, M=8 step of these kernels from below.
         configs += [("transformer", 1, 8, "never", "fill_drain" + BATCHED_W)]
         configs += [("transformer", 2, 8, "never", sch) for sch in PEER_SCHEDULES]
+        # GPipe with rematerialization, beside torch's GPipe with every layer checkpointed (`--remat always`).
+        configs += [("transformer", 2, 8, "always", "fill_drain")]
         compile_ms = []
     elif args.compare:
         configs = [("transformer", 2, 8, r, sch) for r in ("never", "always") for sch in schedules]
@@ -314,6 +317,57 @@ def memory_worker(quick: bool) -> None:
                               compile_s=None, flops_fraction=None)), flush=True)
 
 
+# The schedules whose memory per device is compared at K=4, M=16 without remat (`device_memory_worker`).
+DEVICE_MEMORY_SCHEDULES = ("one_f_one_b", "zero_bubble", "zero_bubble_v")
+
+
+def device_memory_worker(schedule: str, steps: int) -> None:
+    """Runs in its own process (a client joins one cluster): each device's peak memory in steps of workload (b) at
+    K=4, M=16 without remat under `schedule`, on faithful devices (4 worker processes, stage k on worker k, each
+    reading its own allocator); one JSON line.
+
+    A device's peak is all it holds at its busiest: its stages' weights, the batch (on the first device), the
+    stashes and the step's transients; the most over `steps` steps after a warm-up step (a step's peak moves with
+    the order a worker's executor picks), above what the worker held before the step was built. The process-wide
+    figure of `memory_worker` adds up every device instead, which differs where a schedule spreads its stashes
+    differently: 1F1B holds K - k micro-batches' stashes on stage k, K(K+1)/2 in all, while ZB-V's V gives every
+    device the first device's K (K^2 in all), the same per device but more in sum.
+    """
+    import tensorflow as tf
+
+    from gpipe_tf import workers
+
+    with workers.LocalWorkers(4, memory=True) as cluster:
+        devices = workers.connect(cluster.spec)
+        before = [cluster.memory_info(t)["current"] for t in range(4)]
+        step, x, _ = build_step("mlp", 4, 16, "never", devices, schedule)
+        with tf.device(devices[-1]):
+            step(x).numpy()
+        peaks = [0] * 4
+        for _ in range(steps):
+            for t in range(4):
+                cluster.reset_memory_stats(t)
+            with tf.device(devices[-1]):
+                step(x).numpy()
+            peaks = [max(p, cluster.memory_info(t)["peak"] - before[t]) for t, p in enumerate(peaks)]
+    print(json.dumps(dict(workload="mlp", schedule=schedule, k=4, m=16, remat="never",
+                          device_peak_memory_mb=[round(p / 2 ** 20, 1) for p in peaks])), flush=True)
+
+
+def device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The lines of `device_memory_worker`'s rows: each schedule's peak per device, and its largest device against
+    1F1B's largest."""
+    peaks = {r["schedule"]: r["device_peak_memory_mb"] for r in rows if "device_peak_memory_mb" in r}
+    out = [f"peak memory per device K=4 M=16 no remat {schedule}: {' / '.join(map(str, p))} MiB"
+           for schedule, p in peaks.items()]
+    base = peaks.get("one_f_one_b")
+    for schedule, p in peaks.items():
+        if base and schedule != "one_f_one_b":
+            out.append(f"peak memory of the largest device K=4 M=16 no remat {schedule} / one_f_one_b: "
+                       f"{max(p) / max(base):.2f} ({max(p)} / {max(base)} MiB)")
+    return out
+
+
 TIMELINE_SCHEDULES = ("fill_drain", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v")
 # The schedules --peer runs at K=2, M=8, to set beside torch.distributed.pipelining's on the same workload.
 PEER_SCHEDULES = ("fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_bubble", "zero_bubble_v",
@@ -459,9 +513,12 @@ def breakdown_line(parts: dict[str, float]) -> str:
             f"{op_breakdown.format_breakdown(parts)}")
 
 
-def memory(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Memory figures from a fresh process (its allocator state is not shared with the speed runs)."""
-    return _run_worker("--memory-worker", *(["--quick"] if args.quick else []))
+def memory(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Memory figures from fresh processes (their allocator state is not shared with the speed runs): the
+    process-wide rows of `memory_worker`, and the per-device rows of `device_memory_worker`."""
+    return (_run_worker("--memory-worker", *(["--quick"] if args.quick else [])),
+            [row for schedule in DEVICE_MEMORY_SCHEDULES for row in _run_worker(
+                "--device-memory-worker", schedule, "--steps", str(max(args.steps, 3)))])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -552,14 +609,15 @@ def main() -> None:
                         "medians that judge ratios near 1.0 come from twice the samples of one step per round)")
     parser.add_argument("--skip-memory", action="store_true", help="speed only")
     parser.add_argument("--peer", action="store_true", help="the configurations of the torch peer only: the "
-                        "one-worker step and every schedule at K=2, M=8 without remat (run beside "
-                        "torch.distributed.pipelining's schedules on the same workload, in the same session)")
+                        "one-worker step, every schedule at K=2, M=8 without remat and fill_drain with remat (run "
+                        "beside torch.distributed.pipelining's schedules on the same workload, in the same session)")
     parser.add_argument("--xla", action="store_true", help="XLA stage cells (jit_compile) against TensorFlow's "
                         "kernels: the one-worker step at M=8 and every schedule at K=2, M=8, both ways in one run")
     parser.add_argument("--compare", action="store_true", help="FillDrain and Unrolled side by side only: K=2, M=8 "
                         "on workload (a) with and without remat, and with the zero-bubble schedules on the "
                         "weight-heavy workload (no memory part)")
-    parser.add_argument("--skip-speed", action="store_true", help="memory only (one process, no workers)")
+    parser.add_argument("--skip-speed", action="store_true",
+                        help="memory only: in one process, and per device on 4 workers")
     parser.add_argument("--breakdown", action="store_true", help="only the one-worker step's time by op category "
                         "(matmul, attention, normalization, elementwise, transfer, idle)")
     parser.add_argument("--timeline", action="store_true", help="only the measured timelines: profiled steps of "
@@ -579,6 +637,7 @@ def main() -> None:
                         "pictures there")
     parser.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--breakdown-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--device-memory-worker", metavar="SCHEDULE", help=argparse.SUPPRESS)
     parser.add_argument("--dxk", action="store_true", help="D x K mode instead: throughput of D=2,K=1 / D=1,K=2 / "
                         "D=2,K=2 vs D=1,K=1 on 4 logical CPU devices (runs bench.data_parallel)")
     args = parser.parse_args()
@@ -590,6 +649,9 @@ def main() -> None:
         return
     if args.breakdown_worker:
         breakdown_worker(args.steps)
+        return
+    if args.device_memory_worker:
+        device_memory_worker(args.device_memory_worker, args.steps)
         return
     if args.repredict:
         for line in repredict(args.repredict, args.workload):
@@ -606,15 +668,17 @@ def main() -> None:
     if args.breakdown:
         print(breakdown_line(parts))
         return
-    rows = [] if args.skip_memory or args.compare or args.peer or args.xla else memory(args)
-    for row in rows:
+    rows, device_rows = [], []
+    if not (args.skip_memory or args.compare or args.peer or args.xla):
+        rows, device_rows = memory(args)
+    for row in rows + device_rows:
         print(json.dumps(row), flush=True)
     speed_rows, traced_lines = ([], []) if args.skip_speed else speed(args)
     for row in speed_rows:
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(table(rows))
-    for line in summary(rows):
+    for line in summary(rows) + device_memory_lines(device_rows):
         print(line)
     if parts is not None:
         print(breakdown_line(parts))

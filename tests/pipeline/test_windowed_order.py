@@ -2,7 +2,7 @@
 gradients run with their backward (1F1B, Interleaved), a chunk's backward of micro-batch i + 1 waits until micro-batch
 i's weight gradients are in the sums, so no second weight gradient of a layer is computed early (one weight
 gradient per layer at a time is what the memory plan counts); a split order's backward (zero bubble's B) does not
-wait for the previous W, which is its point."""
+wait for the previous W, which is its point; and ZB-V's forwards wait for their device's other chunk's backward."""
 
 import numpy as np
 import pytest
@@ -23,9 +23,12 @@ def plain_layout(monkeypatch):
     monkeypatch.setenv("GPIPE_TF_MATMUL_LAYOUT", "plain")
 
 
-def loop_body(schedule):
-    """The windowed loop's body graph of a traced K=2, M=4 training step."""
+def loop_body(schedule, order=None):
+    """The windowed loop's body graph of a traced K=2, M=4 training step (under `order` instead of the schedule's
+    own, if given)."""
     layer = build(mlp_layers("float32", depth=4), "float32", 2, 4, "never", schedule_params(schedule, 2))
+    if order is not None:
+        layer.schedule.step_order = lambda k: order
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=(BATCH, WIDTH)).astype("float32"))
     head = tf.Variable(rng.normal(size=(WIDTH,)).astype("float32"))
@@ -97,3 +100,30 @@ def test_zero_bubbles_input_gradient_does_not_wait_for_the_previous_weight_gradi
     assert matmuls
     for matmul in matmuls:
         assert not sums & ancestors(matmul), matmul.name
+
+
+def forward_copy_waits(body):
+    """{chunk: how many ring tokens of the previous iteration (loop inputs) its forward's input copy waits
+    for}: the copy's control inputs that are the body's placeholders."""
+    found = {}
+    for op in body.get_operations():
+        if op.type == "Identity" and "/forward/" in op.name and op.control_inputs:
+            scope = op.name.split("/forward/")[0].rsplit("_stage", 1)[-1]  # e.g. '0_1' of while/gpipe4_stage0_1
+            waits = sum(1 for c in op.control_inputs if c.type == "Placeholder")
+            found[scope] = max(found.get(scope, 0), waits)
+    return found
+
+
+def test_zero_bubble_vs_forwards_wait_for_the_other_chunks_backward_on_their_device():
+    # ZB-V at K=2 without its backward waits: each chunk's forward waits for its in-flight ring and its weight
+    # ring; with them (the schedule's order) each of the 4 chunks also waits for a ring its device's other chunk's
+    # backward fills.
+    import dataclasses
+
+    from gpipe_tf.gpipe import orders
+    windows_only = forward_copy_waits(loop_body("zero_bubble_v", dataclasses.replace(orders.zero_bubble_v(2),
+                                                                                     backward_waits=())))
+    with_waits = forward_copy_waits(loop_body("zero_bubble_v"))
+    assert len(windows_only) == len(with_waits) == 4, (windows_only, with_waits)
+    assert set(windows_only.values()) == {2}, windows_only
+    assert {scope: n - windows_only[scope] for scope, n in with_waits.items()} == dict.fromkeys(with_waits, 1)

@@ -175,7 +175,8 @@ def speed(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     if not (args.peer or args.xla):
         configs += [("heavy", 2, 8, "never", sch) for sch in schedules]
     if not (args.peer or args.xla):
-        # The zero-bubble schedules on the weight-heavy workload too, W per micro-batch and batched.
+        # The zero-bubble schedules on the weight-heavy workload too, by default (batch_weight_gradients='auto')
+        # and with every matmul weight batched.
         configs += [("heavy", 2, 8, "never", sch) for sch in HEAVY_SCHEDULES]
     if not (args.compare or args.peer or args.xla):
         # The schedules beyond fill-drain: 1F1B, ZeroBubble (ZB-H1) and ZeroBubbleV at K=2, M=8, interleaved v=2

@@ -723,8 +723,9 @@ class Params:
         except (SyntaxError, ValueError):
             value, parsed = None, False
         if isinstance(current, str):
-            # Unquoted words, numbers and paths are all taken as the text itself (optimizer=adam, run=007).
-            value = value if parsed and isinstance(value, str) else text
+            # Unquoted words, numbers and paths are all taken as the text itself (optimizer=adam, run=007); True and
+            # False are the bools, for a field that takes a word or a bool (batch_weight_gradients='auto' or True).
+            value = value if parsed and isinstance(value, (str, bool)) else text
         elif current is None:
             value = value if parsed else text
         elif parsed and value is None and _defaults_to_none(parent, name):

@@ -10,6 +10,14 @@ the gradients (biases, normalization weights, a weight's non-matmul uses), to wh
 Memory: a stage keeps its matmuls' inputs and output gradients of all M micro-batches until the loop ends, as
 GPipe keeps its stashes; the gain is time where weights are large and micro-batches small (M matmuls and M
 additions into a running sum become one matmul per weight).
+
+The knob's default, "auto", batches exactly the weights for which that memory is small: a weight whose watched
+matmuls' inputs and output gradients over all M micro-batches take no more elements than the weight itself
+(`worth_batching`), so the stash costs at most one more copy of the weights it computes gradients for, which is
+what one micro-batch's weight gradient allocates anyway. Those are the weights whose per-micro-batch gradient is
+mostly memory traffic (a gradient matmul of few rows, written and added at the weight's size each micro-batch).
+The others keep their gradients per micro-batch. The choice is made from one trace of the stages on a
+micro-batch (`auto_selection`), per weight, and logged.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
+from absl import logging
 from tensorflow.python.ops import list_ops  # TensorLists with uninitialized elements: no public API reads them
 
 from gpipe_tf.gpipe import orders
@@ -26,28 +35,65 @@ from gpipe_tf.hyperparams import InstantiableParams, ParamsError
 from gpipe_tf.layers.weight_gradients import MatmulCall, MatmulRecord, WeightStash, weight_gradient
 
 KNOB = "batch_weight_gradients"
+AUTO = "auto"
 
 
 def define_knob(p: InstantiableParams) -> InstantiableParams:
-    """Defines `batch_weight_gradients` (default False) on a schedule's Params: FillDrain's and the windowed loop's."""
-    p.define(KNOB, False, "Compute the weight gradients of matmul weights (Linear layers: projections, attention, "
+    """Defines `batch_weight_gradients` (default "auto") on a schedule's Params: FillDrain's and the windowed
+    loop's."""
+    p.define(KNOB, AUTO, "Compute the weight gradients of matmul weights (Linear layers: projections, attention, "
              "FFN) once per step after each stage's last backward, as one matmul per weight over every micro-batch, "
              "instead of per micro-batch (B/W split with batched W). Faster where weights are large and "
              "micro-batches small; each stage then keeps every micro-batch's matmul inputs and output gradients "
-             "until its last backward.")
+             "until its last backward. True: every matmul weight, and the schedule's order runs W after the last "
+             "backward; False: none; 'auto' (default): the weights whose matmuls' inputs and output gradients over "
+             "all micro-batches take no more memory than the weight itself, in the schedule's own order.")
     return p
 
 
 def check_knob(p: InstantiableParams, path: str) -> None:
-    """Raises ParamsError unless `batch_weight_gradients` is a bool."""
-    if not isinstance(p.get(KNOB), bool):
-        raise ParamsError(f"{path}.schedule.{KNOB}={p.get(KNOB)!r} must be True or False: use True to batch the "
-                          "matmul weight gradients after each stage's last backward, or False (the default)")
+    """Raises ParamsError unless `batch_weight_gradients` is True, False or "auto"."""
+    value = p.get(KNOB)
+    if not (isinstance(value, bool) or value == AUTO):
+        raise ParamsError(f"{path}.schedule.{KNOB}={value!r} must be True, False or {AUTO!r}: use True to batch "
+                          "every matmul weight's gradient after each stage's last backward, False to keep them per "
+                          f"micro-batch, or {AUTO!r} (the default) to batch the weights whose stash is no larger "
+                          "than the weight")
 
 
 def apply_knob(order: ScheduleOrder, p: InstantiableParams) -> ScheduleOrder:
-    """`order` with its weight gradients batched if the schedule's `batch_weight_gradients` is on."""
-    return orders.with_batched_weights(order) if p.get(KNOB) else order
+    """`order` with its weight gradients batched if the schedule's `batch_weight_gradients` is True ("auto" keeps
+    the order: it batches only weights whose stash is small, and their W is no cell of the order)."""
+    return orders.with_batched_weights(order) if p.get(KNOB) is True else order
+
+
+def worth_batching(calls: Sequence[MatmulCall], num_micro_batches: int) -> bool:
+    """Whether "auto" batches a weight with these watched matmul calls: every call's rows are static and the
+    inputs and output gradients of all of them over `num_micro_batches` micro-batches take no more elements than
+    the weight (input_dim x output_dim)."""
+    if not calls or any(c.rows is None for c in calls):
+        return False
+    stash = num_micro_batches * sum(c.rows * (c.input_dim + c.output_dim) for c in calls)
+    return stash <= calls[0].input_dim * calls[0].output_dim
+
+
+def auto_selection(calls: Sequence[Sequence[MatmulCall]], num_micro_batches: int,
+                   where: str) -> list[frozenset[int]] | None:
+    """Per chunk, the indices of the weights "auto" batches (`worth_batching`), from each chunk's watched matmuls
+    (`discover_calls` with every weight watched); None when it batches none. Logs the choice (`where` names the
+    pipeline's schedule)."""
+    chosen, watched = [], 0
+    for chunk_calls in calls:
+        by_weight: dict[int, list[MatmulCall]] = {}
+        for call in chunk_calls:
+            by_weight.setdefault(call.weight, []).append(call)
+        watched += len(by_weight)
+        chosen.append(frozenset(j for j, cs in by_weight.items() if worth_batching(cs, num_micro_batches)))
+    count = sum(len(c) for c in chosen)
+    logging.info("%s: batch_weight_gradients=%r batches the weight gradients of %d of %d matmul weights (those "
+                 "whose inputs and output gradients over M=%d micro-batches take no more memory than the weight)",
+                 where, AUTO, count, watched, num_micro_batches)
+    return chosen if count else None
 
 
 class StashLayout:
@@ -123,9 +169,11 @@ class RoutedStashes:
     """
 
     def __init__(self, job_devices: Sequence[str], stage_weights: Sequence[Sequence[tf.Tensor]],
-                 calls: Sequence[Sequence[MatmulCall]], num_micro_batches: int) -> None:
+                 calls: Sequence[Sequence[MatmulCall]], num_micro_batches: int,
+                 only: Sequence[frozenset[int]] | None = None) -> None:
         self.devices = list(job_devices)
         self.calls = [list(c) for c in calls]
+        self.only = list(only) if only is not None else [None] * len(self.devices)  # per stage, `WeightStash.only`
         self.num_weights = [len(ws) for ws in stage_weights]
         self.lists: list[list[tuple[tf.Tensor, tf.Tensor]]] = []
         for device, stage_calls in zip(self.devices, self.calls):
@@ -141,7 +189,7 @@ class RoutedStashes:
 
     def stash(self, stage: int) -> WeightStash | None:
         """A routing stash for stage `stage`, or None if it has no watched matmul."""
-        return WeightStash(routes=2 * len(self.calls[stage])) if self.calls[stage] else None
+        return WeightStash(routes=2 * len(self.calls[stage]), only=self.only[stage]) if self.calls[stage] else None
 
     def placeholders(self, stage: int, index: tf.Tensor) -> list[tf.Tensor]:
         """Element `index` of each of the stage's lists, in call order (x, dy, x, dy, ...): zeros."""

@@ -39,7 +39,8 @@ Where things live, and why (checked on the placed graph, `tests/pipeline/test_pi
   micro-batch, where the loop without a loss keeps the outputs).
 * With `batch_weight_gradients`, the matmul weights' gradients are not summed in the backward loop: each matmul's
   input and output gradient leave the loop as the gradients of TensorLists the forward reads placeholders from,
-  and after it each weight's gradient is one matmul on its chunk's device (`batched_weights.RoutedStashes`).
+  and after it each weight's gradient is one matmul on its chunk's device (`batched_weights.RoutedStashes`). With
+  "auto" (the default), only the weights `batched_weights.auto_selection` picks; none under XLA stage cells.
 """
 
 from __future__ import annotations
@@ -89,14 +90,16 @@ class FillDrain(Schedule, short_name="fill_drain"):
 
     def run(self, job: PipelineJob, inputs: Any) -> tuple[Any, dict[str, Any] | None]:
         """Runs the job's micro-batches in one placed while loop; see the module doc."""
-        return run_loop(job, inputs, self.p.parallel_iterations, self.p.batch_weight_gradients and job.training)
+        return run_loop(job, inputs, self.p.parallel_iterations,
+                        self.p.batch_weight_gradients if job.training else False)
 
     def run_with_loss(self, job: PipelineJob, inputs: Any, loss: PipelineLoss) -> tuple[dict, dict[str, Any] | None]:
         """The loop with each micro-batch's loss on the last chunk, right after its forward; see the module doc."""
-        return run_loop(job, inputs, self.p.parallel_iterations, self.p.batch_weight_gradients and job.training, loss)
+        return run_loop(job, inputs, self.p.parallel_iterations,
+                        self.p.batch_weight_gradients if job.training else False, loss)
 
 
-def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1, batch_weight_gradients: bool = False,
+def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1, batch_weight_gradients: bool | str = False,
              loss: PipelineLoss | None = None) -> tuple[Any, dict[str, Any] | None]:
     """The fill-drain loop of the module doc on `job`: (outputs, or with `loss` {name: sum over the batch}; summed
     aux statistics or None). Also the forward pass of the schedules that run their backward inside the forward
@@ -104,7 +107,8 @@ def run_loop(job: PipelineJob, inputs: Any, parallel_iterations: int = 1, batch_
 
     parallel_iterations: loop iterations (micro-batches) each device runs at once.
     batch_weight_gradients: route the watched matmuls' inputs and output gradients out of the backward loop and
-      compute each weight's gradient once after it (`batched_weights.RoutedStashes`).
+      compute each weight's gradient once after it (`batched_weights.RoutedStashes`); "auto": only for the weights
+      `batched_weights.auto_selection` picks.
     loss: the task's loss, run per micro-batch on the last chunk (its "loss" sum is differentiable as
       `Schedule.run_with_loss` says); None: the outputs are returned.
     """
@@ -130,7 +134,7 @@ class FillDrainLoop:
     """The loop of the module doc for one job (and the task's loss, if given): `run` builds it, its gradient is
     TensorFlow's."""
 
-    def __init__(self, job: PipelineJob, inputs: Any, parallel_iterations: int, batch_weight_gradients: bool,
+    def __init__(self, job: PipelineJob, inputs: Any, parallel_iterations: int, batch_weight_gradients: bool | str,
                  loss: PipelineLoss | None = None) -> None:
         self.job, self.parallel_iterations, self.loss = job, parallel_iterations, loss
         self.batch_weight_gradients = batch_weight_gradients
@@ -181,7 +185,8 @@ class FillDrainLoop:
         with tf.device(job.devices[0]):
             self.micro = microbatch.split(with_float_leaves(self.arguments.inputs, split.inputs),
                                           job.num_micro_batches)
-        self.routed = _routed_stashes(job, split.chunk_weights, self.micro) if self.batch_weight_gradients else None
+        self.routed = (_routed_stashes(job, split.chunk_weights, self.micro, self.batch_weight_gradients)
+                       if self.batch_weight_gradients else None)
         if self.routed is not None:
             tape.watch(self.routed.sources)
         arrays, head_sums, values = (), (), ()
@@ -314,10 +319,10 @@ class FillDrainLoop:
         return list(dx) + list(sums) + head
 
 
-def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
-                    micro: Any) -> batched_weights.RoutedStashes:
-    """The routing lists of batched weight gradients for `job`, from one trace of its chunks on a micro-batch shaped
-    as `micro`'s elements."""
+def chunk_matmul_calls(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
+                       micro: Any) -> list[list[batched_weights.MatmulCall]]:
+    """Each chunk's watched matmuls (every weight watched), from one trace of `job`'s chunks on a micro-batch shaped
+    as `micro`'s elements (`batched_weights.discover_calls`)."""
     def forward(x: Any, stashes: list) -> Any:
         ctx = job.micro_batch_context(tf.constant(0), bool(job.aux_spec))
         for c in range(job.num_chunks):
@@ -326,5 +331,20 @@ def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
         return x
 
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), micro)
-    calls = batched_weights.discover_calls(forward, job.num_chunks, spec)
-    return batched_weights.RoutedStashes(job.devices, thetas, calls, job.num_micro_batches)
+    return batched_weights.discover_calls(forward, job.num_chunks, spec)
+
+
+def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]], micro: Any,
+                    mode: bool | str) -> batched_weights.RoutedStashes | None:
+    """The routing lists of batched weight gradients for `job` (mode True: every watched matmul; "auto": those of
+    the weights `batched_weights.auto_selection` picks, none under XLA stage cells), or None when there are none."""
+    if mode == batched_weights.AUTO and job.compiled_chunks is not None:
+        return None  # a compiled cell watches every weight it routes for: no choice among them
+    calls = chunk_matmul_calls(job, thetas, micro)
+    only = None
+    if mode == batched_weights.AUTO:
+        only = batched_weights.auto_selection(calls, job.num_micro_batches, "FillDrain")
+        if only is None:
+            return None
+        calls = [[c for c in chunk_calls if c.weight in chosen] for chunk_calls, chosen in zip(calls, only)]
+    return batched_weights.RoutedStashes(job.devices, thetas, calls, job.num_micro_batches, only)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from gpipe_tf.gpipe import batched_weights
 from gpipe_tf.gpipe.fill_drain import FillDrain
 from gpipe_tf.gpipe.interleaved import Interleaved
 from gpipe_tf.gpipe.one_f_one_b import OneForwardOneBackward
@@ -37,13 +38,13 @@ def schedule_params(value: Any, path: str = "") -> InstantiableParams:
 
 
 def schedule_name(value: Any, path: str = "") -> str:
-    """The one name a run's schedule is shown by (console, HParams): its class, with v for Interleaved and batched
-    weight gradients when on, e.g. 'FillDrain', 'Interleaved(virtual_stages=3)' or
+    """The one name a run's schedule is shown by (console, HParams): its class, with v for Interleaved and
+    `batch_weight_gradients` when not the default "auto", e.g. 'FillDrain', 'Interleaved(virtual_stages=3)' or
     'ZeroBubble(batch_weight_gradients=True)'."""
     p = schedule_params(value, path)
     knobs = [f"virtual_stages={p.virtual_stages}"] if issubclass(p.cls, Interleaved) else []
-    if issubclass(p.cls, (WindowedSchedule, FillDrain)) and p.batch_weight_gradients:
-        knobs.append("batch_weight_gradients=True")
+    if issubclass(p.cls, (WindowedSchedule, FillDrain)) and p.batch_weight_gradients != batched_weights.AUTO:
+        knobs.append(f"batch_weight_gradients={p.batch_weight_gradients!r}")
     return f"{p.cls.__name__}({', '.join(knobs)})" if knobs else p.cls.__name__
 
 

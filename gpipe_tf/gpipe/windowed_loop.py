@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util  # whether a graph is compiled by XLA: no public API says it
 
 from gpipe_tf.gpipe import batched_weights, fill_drain, loop_parts, microbatch, placement
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
@@ -77,14 +78,17 @@ class WindowedSchedule(Schedule):
         """Forward, loss and backward of every micro-batch in this loop when training, in the schedule's order."""
         if not job.training:
             return fill_drain.run_loop(job, inputs, loss=loss)
-        return run_training(job, inputs, loss, self.step_order(job.plan.num_devices))
+        return run_training(job, inputs, loss, self.step_order(job.plan.num_devices),
+                            auto_batched=self.p.batch_weight_gradients == batched_weights.AUTO)
 
 
-def run_training(job: PipelineJob, inputs: Any, loss: PipelineLoss,
-                 order: ScheduleOrder) -> tuple[dict, dict[str, Any] | None]:
+def run_training(job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder,
+                 auto_batched: bool = False) -> tuple[dict, dict[str, Any] | None]:
     """Forward, loss and backward of every micro-batch of `job` in one loop ordered by `order` (its chunks are the
-    job's): ({name: sum over the batch}, summed aux statistics or None); see the module doc."""
-    return WindowedLoop(job, inputs, loss, order).run()
+    job's): ({name: sum over the batch}, summed aux statistics or None); see the module doc. With `auto_batched`
+    (`batch_weight_gradients="auto"`), the weights `batched_weights.auto_selection` picks get their gradients
+    batched after their chunk's last backward, in `order` as it is."""
+    return WindowedLoop(job, inputs, loss, order, auto_batched).run()
 
 
 class LoopState(NamedTuple):
@@ -120,7 +124,8 @@ class Forward(NamedTuple):
 class WindowedLoop:
     """The loop of the module doc for one job, order and loss: `run` builds it."""
 
-    def __init__(self, job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder) -> None:
+    def __init__(self, job: PipelineJob, inputs: Any, loss: PipelineLoss, order: ScheduleOrder,
+                 auto_batched: bool = False) -> None:
         if order.num_chunks != job.num_chunks or order.in_flight is None:
             raise ValueError(f"the {order.name} order has {order.num_chunks} chunks and in_flight={order.in_flight}: "
                              f"this loop needs one in-flight window per chunk of the job ({job.num_chunks})")
@@ -130,6 +135,8 @@ class WindowedLoop:
         self.job, self.loss, self.order = job, loss, order
         self.arguments = loop_parts.OpArguments.of(job, inputs, loss.head_weights)
         self.batched = order.batched_weights  # matmul weight gradients wait in the stash for the last backward
+        self.auto_batched = auto_batched and not order.batched_weights
+        self.only: list[frozenset[int]] | None = None  # with "auto", per chunk the weights it batches
         self.stash_layout = batched_weights.StashLayout(
             job.devices, job.chunk_weights if self.batched else [[] for _ in range(job.num_chunks)])
         self.waits = {c: (t, lag) for c, t, lag in order.forward_waits}  # one forward ring per waiting chunk
@@ -151,6 +158,8 @@ class WindowedLoop:
         def pipeline(*args: tf.Tensor) -> Any:
             split = self.arguments.stopped(args, self.job.devices[0])
             self.prepare(split.inputs)
+            if self.auto_batched:
+                self.choose_batched(split.chunk_weights)
             final = loop_parts.host_loop(self.body, self.initial_state(split), self.job.num_micro_batches,
                                          self.job.num_micro_batches)
             grad_sums = self.finish(final)
@@ -167,6 +176,20 @@ class WindowedLoop:
         with tf.device(job.devices[-1]):
             self.targets = microbatch.split(loss.targets, job.num_micro_batches)
             self.seed = tf.constant(1.0) if loss.gradient_seed is None else tf.identity(loss.gradient_seed)
+
+    def choose_batched(self, thetas: Sequence[Sequence[tf.Tensor]]) -> None:
+        """With "auto": the weights to batch (`batched_weights.auto_selection`, from one trace of the chunks), none
+        under XLA (stage cells watch every weight they route for; a whole step under jit_compile would get
+        TensorArrays of dynamic size, which XLA stacks as empty)."""
+        job = self.job
+        in_xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+        if job.compiled_chunks is not None or in_xla:
+            return
+        only = batched_weights.auto_selection(fill_drain.chunk_matmul_calls(job, thetas, self.micro),
+                                              job.num_micro_batches, self.order.name)
+        if only is not None:
+            self.batched, self.only = True, only
+            self.stash_layout = batched_weights.StashLayout(job.devices, job.chunk_weights)
 
     def initial_state(self, split: loop_parts.SplitArguments) -> LoopState:
         """The loop variables before the first micro-batch, each made on the device that uses it."""
@@ -217,7 +240,8 @@ class WindowedLoop:
     def forward(self, state: LoopState) -> tuple[LoopState, Forward]:
         """The next micro-batch through every chunk, each waiting for its rings (the order's windows)."""
         job = self.job
-        stashes = [WeightStash() if self.batched else None for _ in range(job.num_chunks)]
+        stashes = [WeightStash(only=self.only[c] if self.only else None) if self.batched else None
+                   for c in range(job.num_chunks)]
         first, index, h, ctx = loop_parts.next_micro_batch(job, state.first, self.micro, bool(job.aux_spec))
         forward_rings = list(state.forward_rings)
         records = []

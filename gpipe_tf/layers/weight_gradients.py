@@ -64,7 +64,8 @@ class WeightStash:
     """Watches a stage's weights: their matmuls leave the weight gradient to the caller, in one of two ways.
 
     `watching(weights)` marks `weights` (the tensors a stage's layers get as their theta) for the `matmul` calls
-    made inside it, each listed in `calls` as it is made. Recording (the default): each gradient of such a matmul
+    made inside it, each listed in `calls` as it is made; with `only`, just the weights at those indices (the
+    others take their ordinary gradient). Recording (the default): each gradient of such a matmul
     appends a `MatmulRecord` (x, dy) to `records`, in the order the gradient is built, for a schedule that builds
     its backward itself. Routing (`routes` > 0, for a backward TensorFlow builds, where nothing can be collected):
     the last `routes` tensors of the watched list are pairs of placeholders (zeros shaped as x and as dy, two per
@@ -72,10 +73,11 @@ class WeightStash:
     as their "gradients", so that they reach whatever the placeholders were read from.
     """
 
-    def __init__(self, routes: int = 0) -> None:
+    def __init__(self, routes: int = 0, only: frozenset[int] | None = None) -> None:
         if routes % 2:
             raise ValueError(f"WeightStash(routes={routes}): routes come in pairs (x, dy), give an even number")
         self.routes = routes
+        self.only = only  # the indices of the watched weights it defers; None: all
         self.records: list[MatmulRecord] = []
         self.calls: list[MatmulCall] = []
         self._index: dict = {}
@@ -91,7 +93,7 @@ class WeightStash:
         stash as weight j (and takes the next pair of placeholders when routing)."""
         weights = self.weights(watched)
         placeholders = list(watched[len(weights):])
-        self._index = {w.ref(): j for j, w in enumerate(weights)}
+        self._index = {w.ref(): j for j, w in enumerate(weights) if self.only is None or j in self.only}
         self._pairs = [(placeholders[n], placeholders[n + 1]) for n in range(0, len(placeholders), 2)]
         self.calls = []  # this block's calls, kept after it
         stack = _stashes()

@@ -428,6 +428,8 @@ def test_instantiable_params_reserves_instantiate_and_cls():
     ("train.opt", "'x,y'", "x,y"),
     ("train.opt", "123", "123"),
     ("train.opt", "os.path", "os.path"),
+    ("train.opt", "False", False),  # a word-or-bool field (batch_weight_gradients='auto' or True)
+    ("train.opt", "'True'", "True"),
     ("train.dims", "[64, 64]", [64, 64]),
     ("train.dims", "(1,)", [1]),
     ("train.shape", "[2, 3]", (2, 3)),

@@ -1,11 +1,12 @@
 """Batched weight gradients (B/W split, `batch_weight_gradients=True`): the deferred matmul's gradient parts, the
-order data, and every windowed schedule equal to the un-pipelined model with W batched over the micro-batches."""
+order data, and every windowed schedule equal to the un-pipelined model with W batched over the micro-batches; and
+the default "auto", which batches the weights whose stash is no larger than the weight."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpipe_tf.gpipe import orders, schedules
+from gpipe_tf.gpipe import batched_weights, orders, schedules
 from gpipe_tf.gpipe.schedules import SCHEDULES
 from gpipe_tf.gpipe.timeline import predict
 from gpipe_tf.hyperparams import ParamsError
@@ -81,12 +82,62 @@ def test_batched_order_runs_w_after_each_stages_last_backward():
 
 
 @pytest.mark.parametrize("name", KNOBBED)
-def test_the_knob_is_a_bool_and_shows_in_the_order_and_the_name(name):
+def test_the_knob_is_true_false_or_auto_and_shows_in_the_order_and_the_name(name):
     assert schedules.step_order(batched(name), 2).batched_weights
-    assert not schedules.step_order(name, 2).batched_weights
+    assert not schedules.step_order(name, 2).batched_weights  # "auto" keeps the schedule's order
+    assert SCHEDULES[name].params().batch_weight_gradients == "auto"
     assert "batch_weight_gradients=True" in schedules.schedule_name(batched(name))
-    with pytest.raises(ParamsError, match=r"batch_weight_gradients='yes' must be True or False: use True to batch"):
+    off = SCHEDULES[name].params().set(batch_weight_gradients=False)
+    assert "batch_weight_gradients=False" in schedules.schedule_name(off)
+    assert "batch_weight_gradients" not in schedules.schedule_name(name)
+    with pytest.raises(ParamsError, match=r"batch_weight_gradients='yes' must be True, False or 'auto': use True "):
         SCHEDULES[name].params().set(batch_weight_gradients="yes").instantiate("net")
+
+
+def _call(rows, in_dim, out_dim, weight=0):
+    return weight_gradients.MatmulCall(weight, rows, in_dim, out_dim, tf.float32)
+
+
+def test_auto_batches_a_weight_when_its_operands_over_all_micro_batches_fit_in_the_weight():
+    # 2048 x 2048, 2 rows per micro-batch, M=8: 8 * 2 * 4096 = 65,536 elements of x and dy against 4,194,304.
+    assert batched_weights.worth_batching([_call(2, 2048, 2048)], 8)
+    # A Transformer's FFN at 256 rows, M=8: 8 * 256 * 2560 = 5,242,880 against 1,048,576.
+    assert not batched_weights.worth_batching([_call(256, 512, 2048)], 8)
+    # The bound itself, and a weight used twice counts both uses.
+    assert batched_weights.worth_batching([_call(3, 48, 48)], 8)
+    assert not batched_weights.worth_batching([_call(3, 48, 48), _call(3, 48, 48)], 8)
+    assert not batched_weights.worth_batching([_call(None, 2048, 2048)], 8)  # rows unknown when traced
+
+
+def mixed_layers():
+    """Two 48 x 48 weights that "auto" batches at 3 rows and M=8 (8 * 3 * 96 = 48 * 48), between two it does not."""
+    from gpipe_tf.layers.linear import Linear
+
+    return [Linear.params().set(input_dim=i, output_dim=o, activation="tanh")
+            for i, o in [(6, 48), (48, 48), (48, 48), (48, 6)]]
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "one_f_one_b", "zero_bubble", "zero_bubble_v"])
+def test_auto_batches_the_weights_whose_stash_fits_and_keeps_the_math(schedule, caplog):
+    x, targets, head = data("float64")
+    ref = loss_and_grads(build(mixed_layers(), "float64"), x, targets, head)
+    caplog.set_level("INFO")
+    layer = build(mixed_layers(), "float64", 2, 8, "never", schedule)  # BATCH 24 / M 8 = 3 rows
+    assert_same(loss_and_grads(layer, x, targets, head), ref, rtol=1e-10, atol=1e-12)
+    assert "batch_weight_gradients='auto' batches the weight gradients of 2 of 4 matmul weights" in caplog.text
+    outside = [op for op in _step_graph(layer, x, targets, head).get_operations()
+               if op.type == "MatMul" and op.get_attr("transpose_a")]
+    assert len(outside) == 2 and all("batched_weight_gradients" in op.name for op in outside), outside
+    assert all(op.inputs[0].shape[-1] == 48 and op.inputs[1].shape[-1] == 48 for op in outside)
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "zero_bubble"])
+def test_auto_batches_nothing_under_xla_stage_cells(schedule):
+    x, targets, head = data("float64")
+    layer = build(mixed_layers(), "float64", 2, 8, "never", schedule, jit_compile=True)
+    outside = [op for op in _step_graph(layer, x, targets, head).get_operations()
+               if op.type == "MatMul" and op.get_attr("transpose_a")]
+    assert not outside
 
 
 # ------------------------------------------------------------------------------------ equal to the reference

@@ -27,7 +27,10 @@ from typing import Any
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.ops import list_ops  # TensorLists with uninitialized elements: no public API reads them
+from tensorflow.python.ops import (
+    control_flow_util,  # whether a graph is compiled by XLA: no public API says it
+    list_ops,  # TensorLists with uninitialized elements: no public API reads them
+)
 
 from gpipe_tf.gpipe import orders
 from gpipe_tf.gpipe.orders import ScheduleOrder
@@ -75,6 +78,14 @@ def worth_batching(calls: Sequence[MatmulCall], num_micro_batches: int) -> bool:
         return False
     stash = num_micro_batches * sum(c.rows * (c.input_dim + c.output_dim) for c in calls)
     return stash <= calls[0].input_dim * calls[0].output_dim
+
+
+def auto_applies(compiled_chunks: Any) -> bool:
+    """Whether "auto" may batch anything here: not with XLA stage cells (`compiled_chunks`: a compiled cell watches
+    every weight it routes for) nor inside a graph XLA compiles (`train.jit_compile`: the windowed loop's stash
+    grows TensorArrays of dynamic size, which XLA stacks as empty)."""
+    return compiled_chunks is None and not control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
 
 
 def auto_selection(calls: Sequence[Sequence[MatmulCall]], num_micro_batches: int,

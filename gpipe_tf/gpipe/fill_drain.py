@@ -40,7 +40,7 @@ Where things live, and why (checked on the placed graph, `tests/pipeline/test_pi
 * With `batch_weight_gradients`, the matmul weights' gradients are not summed in the backward loop: each matmul's
   input and output gradient leave the loop as the gradients of TensorLists the forward reads placeholders from,
   and after it each weight's gradient is one matmul on its chunk's device (`batched_weights.RoutedStashes`). With
-  "auto" (the default), only the weights `batched_weights.auto_selection` picks; none under XLA stage cells.
+  "auto" (the default), only the weights `batched_weights.auto_selection` picks; none under XLA.
 """
 
 from __future__ import annotations
@@ -337,9 +337,9 @@ def chunk_matmul_calls(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
 def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]], micro: Any,
                     mode: bool | str) -> batched_weights.RoutedStashes | None:
     """The routing lists of batched weight gradients for `job` (mode True: every watched matmul; "auto": those of
-    the weights `batched_weights.auto_selection` picks, none under XLA stage cells), or None when there are none."""
-    if mode == batched_weights.AUTO and job.compiled_chunks is not None:
-        return None  # a compiled cell watches every weight it routes for: no choice among them
+    the weights `batched_weights.auto_selection` picks, none under XLA), or None when there are none."""
+    if mode == batched_weights.AUTO and not batched_weights.auto_applies(job.compiled_chunks):
+        return None
     calls = chunk_matmul_calls(job, thetas, micro)
     only = None
     if mode == batched_weights.AUTO:

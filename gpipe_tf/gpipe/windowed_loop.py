@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # whether a graph is compiled by XLA: no public API says it
 
 from gpipe_tf.gpipe import batched_weights, fill_drain, loop_parts, microbatch, placement
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
@@ -179,11 +178,9 @@ class WindowedLoop:
 
     def choose_batched(self, thetas: Sequence[Sequence[tf.Tensor]]) -> None:
         """With "auto": the weights to batch (`batched_weights.auto_selection`, from one trace of the chunks), none
-        under XLA (stage cells watch every weight they route for; a whole step under jit_compile would get
-        TensorArrays of dynamic size, which XLA stacks as empty)."""
+        under XLA (`batched_weights.auto_applies`)."""
         job = self.job
-        in_xla = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-        if job.compiled_chunks is not None or in_xla:
+        if not batched_weights.auto_applies(job.compiled_chunks):
             return
         only = batched_weights.auto_selection(fill_drain.chunk_matmul_calls(job, thetas, self.micro),
                                               job.num_micro_batches, self.order.name)

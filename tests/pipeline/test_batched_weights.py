@@ -131,11 +131,13 @@ def test_auto_batches_the_weights_whose_stash_fits_and_keeps_the_math(schedule, 
     assert all(op.inputs[0].shape[-1] == 48 and op.inputs[1].shape[-1] == 48 for op in outside)
 
 
-@pytest.mark.parametrize("schedule", ["fill_drain", "zero_bubble"])
-def test_auto_batches_nothing_under_xla_stage_cells(schedule):
+@pytest.mark.parametrize("schedule,whole_step", [("fill_drain", False), ("zero_bubble", False),
+                                                 ("fill_drain", True), ("zero_bubble", True)])
+def test_auto_batches_nothing_under_xla(schedule, whole_step):
+    # XLA stage cells (the pipeline's jit_compile), or the whole step compiled (train.jit_compile).
     x, targets, head = data("float64")
-    layer = build(mixed_layers(), "float64", 2, 8, "never", schedule, jit_compile=True)
-    outside = [op for op in _step_graph(layer, x, targets, head).get_operations()
+    layer = build(mixed_layers(), "float64", 2, 8, "never", schedule, jit_compile=not whole_step)
+    outside = [op for op in _step_graph(layer, x, targets, head, jit_compile=whole_step).get_operations()
                if op.type == "MatMul" and op.get_attr("transpose_a")]
     assert not outside
 
@@ -210,11 +212,11 @@ def test_no_loop_computes_a_weight_gradient_matmul_the_step_computes_each_once(s
     assert {op.device.split("device:")[-1] for op in outside} == {d.split("device:")[-1] for d in DEVICES[:2]}
 
 
-def _step_graph(layer, x, targets, head):
+def _step_graph(layer, x, targets, head, jit_compile=False):
     from gpipe_tf.gpipe.schedule_base import PipelineLoss
     from gpipe_tf.layers.base_layer import FPropContext
 
-    @tf.function(autograph=False)
+    @tf.function(autograph=False, jit_compile=jit_compile)
     def step(x):
         with tf.GradientTape() as tape:
             loss = PipelineLoss(head_fn, (head,), targets, tf.constant(1.0, tf.float32))

@@ -146,7 +146,7 @@ def test_a_trainer_run_shows_the_schedule_that_ran_in_hparams_params_txt_and_con
     text = open(os.path.join(logdir, "params.txt")).read()
     lines = [line for line in text.splitlines() if line.startswith("task.network.schedule")]
     assert lines == ["task.network.schedule : InstantiableParams(gpipe_tf.gpipe.interleaved.Interleaved)",
-                     "task.network.schedule.batch_weight_gradients : False",
+                     "task.network.schedule.batch_weight_gradients : 'auto'",
                      "task.network.schedule.virtual_stages : 3"]
     values = session_hparams(logdir)
     assert values["pipeline.schedule"] == "Interleaved(virtual_stages=3)"

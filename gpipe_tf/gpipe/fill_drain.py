@@ -334,17 +334,29 @@ def chunk_matmul_calls(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]],
     return batched_weights.discover_calls(forward, job.num_chunks, spec)
 
 
-def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]], micro: Any,
-                    mode: bool | str) -> batched_weights.RoutedStashes | None:
-    """The routing lists of batched weight gradients for `job` (mode True: every watched matmul; "auto": those of
-    the weights `batched_weights.auto_selection` picks, none under XLA), or None when there are none."""
-    if mode == batched_weights.AUTO and not batched_weights.auto_applies(job.compiled_chunks):
+def auto_batched_calls(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]], micro: Any,
+                       where: str) -> tuple[list[list[batched_weights.MatmulCall]], list[frozenset[int]]] | None:
+    """With `batch_weight_gradients="auto"`, both loops' choice: per chunk, the watched matmuls of the weights it
+    batches and those weights' indices (`batched_weights.auto_selection`, logged under `where`); None when it
+    batches none, or under XLA (`batched_weights.auto_applies`)."""
+    if not batched_weights.auto_applies(job.compiled_chunks):
         return None
     calls = chunk_matmul_calls(job, thetas, micro)
-    only = None
+    only = batched_weights.auto_selection(calls, job.num_micro_batches, where)
+    if only is None:
+        return None
+    return [[c for c in chunk_calls if c.weight in chosen] for chunk_calls, chosen in zip(calls, only)], only
+
+
+def _routed_stashes(job: PipelineJob, thetas: Sequence[Sequence[tf.Tensor]], micro: Any,
+                    mode: bool | str) -> batched_weights.RoutedStashes | None:
+    """The routing lists of batched weight gradients for `job` (mode True: every watched matmul; "auto": those
+    `auto_batched_calls` chooses), or None when there are none."""
     if mode == batched_weights.AUTO:
-        only = batched_weights.auto_selection(calls, job.num_micro_batches, "FillDrain")
-        if only is None:
+        chosen = auto_batched_calls(job, thetas, micro, "FillDrain")
+        if chosen is None:
             return None
-        calls = [[c for c in chunk_calls if c.weight in chosen] for chunk_calls, chosen in zip(calls, only)]
+        calls, only = chosen
+    else:
+        calls, only = chunk_matmul_calls(job, thetas, micro), None
     return batched_weights.RoutedStashes(job.devices, thetas, calls, job.num_micro_batches, only)

@@ -177,15 +177,11 @@ class WindowedLoop:
             self.seed = tf.constant(1.0) if loss.gradient_seed is None else tf.identity(loss.gradient_seed)
 
     def choose_batched(self, thetas: Sequence[Sequence[tf.Tensor]]) -> None:
-        """With "auto": the weights to batch (`batched_weights.auto_selection`, from one trace of the chunks), none
-        under XLA (`batched_weights.auto_applies`)."""
+        """With "auto": the weights to batch (`fill_drain.auto_batched_calls`, fill-drain's choice too)."""
         job = self.job
-        if not batched_weights.auto_applies(job.compiled_chunks):
-            return
-        only = batched_weights.auto_selection(fill_drain.chunk_matmul_calls(job, thetas, self.micro),
-                                              job.num_micro_batches, self.order.name)
-        if only is not None:
-            self.batched, self.only = True, only
+        chosen = fill_drain.auto_batched_calls(job, thetas, self.micro, self.order.name)
+        if chosen is not None:
+            self.batched, self.only = True, chosen[1]
             self.stash_layout = batched_weights.StashLayout(job.devices, job.chunk_weights)
 
     def initial_state(self, split: loop_parts.SplitArguments) -> LoopState:

@@ -13,7 +13,10 @@ caller with a gradient of its own). The transposed copy of w is a weight-sized t
 the forwards of several micro-batches reading the same weight tensor (`Unrolled`), TensorFlow merges their
 transposes into one per step (a profile of the one-worker M=8 step shows about one transpose of every weight per
 step), held until the last of those forwards: the step then holds a transposed copy of the stage's matmul weights
-through its forward phase. A loop's body (`FillDrain`, the windowed loops) makes it once per iteration.
+through its forward phase. A loop's body (`FillDrain`, the windowed loops) makes it once per iteration, when the
+iteration's input is ready (before the windowed loops' order lets the forward run, all M iterations' copies would
+otherwise be alive at once: 1F1B's per-device peak at K=4, M=16 on workload (b) of docs/benchmarks.md measured
+3.3x higher with AVX2 kernels).
 `EnsureShape` keeps Grappler from folding the transpose back into the matmul's flags (which would restore the slow
 form; `Identity` does not keep it, `Snapshot` does but has no gradient for `vectorized_map` to differentiate).
 
@@ -29,6 +32,7 @@ import threading
 from collections.abc import Iterator
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util_v2  # while-loop bodies; TensorFlow exports no alias
 
 LAYOUTS = ("auto", "plain", "transposed")
 # The rows for which the transposed form measured faster with AVX2 kernels (docs/benchmarks.md).
@@ -112,9 +116,27 @@ def _takes_transposed(x: tf.Tensor) -> bool:
     return use_transposed(x.shape[0], device)
 
 
-def transposed_weight(w: tf.Tensor) -> tf.Tensor:
+def _in_loop_body() -> bool:
+    """Whether ops built here belong to a while loop's body (directly or through functions it calls)."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if control_flow_util_v2.in_while_loop_defun(graph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def transposed_weight(w: tf.Tensor, after: tf.Tensor | None = None) -> tf.Tensor:
     """w^T [out, in] as a tensor of its own: `EnsureShape` keeps Grappler from folding the transpose into the
-    matmul that reads it (see the module doc)."""
+    matmul that reads it (see the module doc). With `after` (the matmul's other operand) and inside a while loop's
+    body, the transpose waits for it: a loop-invariant op would otherwise run as soon as its iteration starts, and
+    with M iterations in flight each would hold its copy until the iteration's forward."""
+    if after is not None and _in_loop_body():
+        # The transpose's inputs are made before the block: TensorFlow adds no control input to an op one of whose
+        # inputs was made under the same dependencies (a w captured there, the permutation's constant).
+        w, perm = tf.identity(w), tf.constant([1, 0])
+        with tf.control_dependencies([after]):
+            return tf.ensure_shape(tf.transpose(w, perm), [w.shape[1], w.shape[0]])
     return tf.ensure_shape(tf.transpose(w), [w.shape[1], w.shape[0]])
 
 
@@ -122,7 +144,7 @@ def product(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
     """x [rows, in] @ w [in, out] in the layout the rule chooses, for a caller that defines the gradient itself
     (a `tf.custom_gradient`): the transposed form's ops have no gradient of their own here."""
     if _takes_transposed(x):
-        return tf.matmul(x, transposed_weight(w), transpose_b=True)
+        return tf.matmul(x, transposed_weight(w, after=x), transpose_b=True)
     return tf.matmul(x, w)
 
 
@@ -138,4 +160,4 @@ def _transposed_product(x: tf.Tensor, w: tf.Tensor) -> tuple[tf.Tensor, object]:
     def grad(dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         return tf.matmul(dy, w, transpose_b=True), tf.matmul(x, dy, transpose_a=True)
 
-    return tf.matmul(x, transposed_weight(w), transpose_b=True), grad
+    return tf.matmul(x, transposed_weight(w, after=x), transpose_b=True), grad

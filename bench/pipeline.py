@@ -3,8 +3,9 @@
 Speed is measured on faithful devices: K single-thread TF worker processes on 127.0.0.1 that this script starts
 and stops, with stage k on worker k and the one-device baseline on worker 0 (logical CPUs in one process share
 one thread pool and say nothing about a schedule). Memory is measured in a separate process on the local CPU
-with `tf.config.experimental.get_memory_info` (all logical CPUs' bytes together), and per device in another, on 4
-workers that each read their own allocator (`device_memory_worker`).
+with `tf.config.experimental.get_memory_info` (all logical CPUs' bytes together), and per device in others, on 4
+workers that each read their own allocator (`device_memory_worker`; each device's median over `--memory-processes`
+fresh processes).
 
 Prints one JSON line per configuration, then a table. Figures are medians over repeats that alternate the
 configurations, so a slow moment of the machine hits all of them alike; compare ratios, not absolute times.
@@ -359,13 +360,16 @@ def device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The lines of `device_memory_worker`'s rows: each schedule's peak per device, and its largest device against
     1F1B's largest."""
     peaks = {r["schedule"]: r["device_peak_memory_mb"] for r in rows if "device_peak_memory_mb" in r}
-    out = [f"peak memory per device K=4 M=16 no remat {schedule}: {' / '.join(map(str, p))} MiB"
+    processes = {r["schedule"]: len(r.get("device_peak_memory_runs_mb", [None])) for r in rows
+                 if "device_peak_memory_mb" in r}
+    out = [f"peak memory per device K=4 M=16 no remat {schedule}: {' / '.join(f'{v:.1f}' for v in p)} MiB"
+           f"{f' (medians of {processes[schedule]} processes)' if processes[schedule] > 1 else ''}"
            for schedule, p in peaks.items()]
     base = peaks.get("one_f_one_b")
     for schedule, p in peaks.items():
         if base and schedule != "one_f_one_b":
             out.append(f"peak memory of the largest device K=4 M=16 no remat {schedule} / one_f_one_b: "
-                       f"{max(p) / max(base):.2f} ({max(p)} / {max(base)} MiB)")
+                       f"{max(p) / max(base):.2f} ({max(p):.1f} / {max(base):.1f} MiB)")
     return out
 
 
@@ -377,6 +381,17 @@ PEER_SCHEDULES = ("fill_drain", "unrolled", "one_f_one_b", "interleaved", "zero_
 HEAVY_SCHEDULES = ("zero_bubble", "zero_bubble_v", "fill_drain" + BATCHED_W, "zero_bubble" + BATCHED_W,
                    "zero_bubble_v" + BATCHED_W)
 CLOSE_POINTS = 5.0  # prediction and median measurement agree within this many percentage points
+
+
+def _positive(text: str) -> int:
+    """An integer flag that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1; give a count such as 3")
+    return value
 
 
 def _timeline_schedules(text: str) -> list[str]:
@@ -517,9 +532,23 @@ def breakdown_line(parts: dict[str, float]) -> str:
 def memory(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Memory figures from fresh processes (their allocator state is not shared with the speed runs): the
     process-wide rows of `memory_worker`, and the per-device rows of `device_memory_worker`."""
-    return (_run_worker("--memory-worker", *(["--quick"] if args.quick else [])),
-            [row for schedule in DEVICE_MEMORY_SCHEDULES for row in _run_worker(
-                "--device-memory-worker", schedule, "--steps", str(max(args.steps, 3)))])
+    process_rows = _run_worker("--memory-worker", *(["--quick"] if args.quick else []))
+    runs: dict[str, list[list[float]]] = {schedule: [] for schedule in DEVICE_MEMORY_SCHEDULES}
+    for _ in range(args.memory_processes):  # rounds over the schedules, as the speed repeats alternate
+        for schedule in DEVICE_MEMORY_SCHEDULES:
+            row, = _run_worker("--device-memory-worker", schedule, "--steps", str(max(args.steps, 3)))
+            runs[schedule].append(row["device_peak_memory_mb"])
+    return process_rows, [median_device_row(schedule, peaks) for schedule, peaks in runs.items()]
+
+
+def median_device_row(schedule: str, runs: list[list[float]]) -> dict[str, Any]:
+    """One schedule's per-device row from several fresh processes' peaks (`runs[r][device]`): each device's median
+    (a device's peak moves by a few MiB between processes with the allocator's state), and every run."""
+    if not runs or len({len(r) for r in runs}) != 1:
+        raise ValueError(f"{schedule}: runs {runs!r} must be one or more lists of the same number of devices")
+    return dict(workload="mlp", schedule=schedule, k=4, m=16, remat="never",
+                device_peak_memory_mb=[statistics.median(device) for device in zip(*runs)],
+                device_peak_memory_runs_mb=runs)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -589,7 +618,8 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     if at_8 and all(e is not None for _, _, e, _ in at_8):
         out.append("K=2 M=8 remat=never step s (E, E same M): " + ", ".join(
             f"{sch} {t:.4f} ({e}, {same})" for t, sch, e, same in sorted(at_8)))
-    one = [(r["schedule"], r["step_time_s"]) for key, r in sorted(step.items()) if key[:3] == ("transformer", 1, 8)]
+    one = [(r["schedule"], r["step_time_s"]) for key, r in sorted(step.items())
+           if key[:4] == ("transformer", 1, 8, "never")]  # the K=2 M=8 steps it bounds run without remat
     if one:
         out.append("one worker M=8 step s (half: the least a K=2 M=8 step can take with these kernels): " + ", ".join(
             f"{sch} {t:.4f} ({t / 2:.4f})" for sch, t in one))
@@ -617,6 +647,9 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="FillDrain and Unrolled side by side only: K=2, M=8 "
                         "on workload (a) with and without remat, and with the zero-bubble schedules on the "
                         "weight-heavy workload (no memory part)")
+    parser.add_argument("--memory-processes", type=_positive, default=3,
+                        help="fresh processes per schedule for the per-device memory figures, whose medians are "
+                             "printed (default 3)")
     parser.add_argument("--skip-speed", action="store_true",
                         help="memory only: in one process, and per device on 4 workers")
     parser.add_argument("--breakdown", action="store_true", help="only the one-worker step's time by op category "

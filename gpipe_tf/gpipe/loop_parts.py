@@ -10,6 +10,7 @@ backward keeps of an index stays there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -19,6 +20,7 @@ import tensorflow as tf
 from gpipe_tf.gpipe import placement
 from gpipe_tf.gpipe.leaves import float_leaves, with_float_leaves
 from gpipe_tf.gpipe.schedule_base import PipelineJob, PipelineLoss
+from gpipe_tf.layers import matmul_layout
 from gpipe_tf.layers.base_layer import FPropContext
 
 
@@ -126,9 +128,11 @@ def next_micro_batch(job: PipelineJob, counter: tf.Tensor, micro: Any,
 def host_loop(body: Callable[[Any], Any], state: Any, num_micro_batches: int, parallel_iterations: int) -> Any:
     """`body` applied `num_micro_batches` times to `state` (any structure `tf.nest` handles, e.g. a NamedTuple) in
     one `tf.while_loop`, the While op and its condition (its iteration count, `maximum_iterations`) on this
-    process's CPU (`placement.host_device`): the final state."""
+    process's CPU (`placement.host_device`): the final state. With several iterations at once, a forward's
+    transposed weight waits for its input (`matmul_layout.transposes_after_inputs` says why)."""
     condition = placement.host_device()
-    with tf.compat.v1.get_default_graph().device(placement.loop_device(condition, condition)):
+    gate = matmul_layout.transposes_after_inputs() if parallel_iterations > 1 else contextlib.nullcontext()
+    with tf.compat.v1.get_default_graph().device(placement.loop_device(condition, condition)), gate:
         (final,) = tf.while_loop(lambda _: True, lambda s: (body(s),), (state,), maximum_iterations=num_micro_batches,
                                  parallel_iterations=parallel_iterations)
     return final

@@ -13,10 +13,11 @@ caller with a gradient of its own). The transposed copy of w is a weight-sized t
 the forwards of several micro-batches reading the same weight tensor (`Unrolled`), TensorFlow merges their
 transposes into one per step (a profile of the one-worker M=8 step shows about one transpose of every weight per
 step), held until the last of those forwards: the step then holds a transposed copy of the stage's matmul weights
-through its forward phase. A loop's body (`FillDrain`, the windowed loops) makes it once per iteration, when the
-iteration's input is ready (before the windowed loops' order lets the forward run, all M iterations' copies would
-otherwise be alive at once: 1F1B's per-device peak at K=4, M=16 on workload (b) of docs/benchmarks.md measured
-3.3x higher with AVX2 kernels).
+through its forward phase. A loop's body (`FillDrain`, the windowed loops) makes it once per iteration; where a
+loop runs several iterations at once (the windowed loops, `loop_parts.host_loop`), inside `transposes_after_inputs`,
+when the iteration's input is ready: made as the iteration starts, before the order lets its forward run, all M
+iterations' copies were alive at once (1F1B's per-device peak at K=4, M=16 on workload (b) of docs/benchmarks.md
+measured 3.3x higher with AVX2 kernels).
 `EnsureShape` keeps Grappler from folding the transpose back into the matmul's flags (which would restore the slow
 form; `Identity` does not keep it, `Snapshot` does but has no gradient for `vectorized_map` to differentiate).
 
@@ -32,7 +33,6 @@ import threading
 from collections.abc import Iterator
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util_v2  # while-loop bodies; TensorFlow exports no alias
 
 LAYOUTS = ("auto", "plain", "transposed")
 # The rows for which the transposed form measured faster with AVX2 kernels (docs/benchmarks.md).
@@ -40,6 +40,7 @@ TRANSPOSED_ROWS = range(128, 1024)
 # oneDNN's ISA names that are AVX-512 or above (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA values).
 _WIDE_ISA_PREFIXES = ("AVX512", "AVX10", "ALL", "DEFAULT")
 _PLAIN = threading.local()  # .depth: how many `plain` blocks are open on this thread
+_AFTER_INPUTS = threading.local()  # .depth: how many `transposes_after_inputs` blocks are open
 
 
 @contextlib.contextmanager
@@ -116,22 +117,23 @@ def _takes_transposed(x: tf.Tensor) -> bool:
     return use_transposed(x.shape[0], device)
 
 
-def _in_loop_body() -> bool:
-    """Whether ops built here belong to a while loop's body (directly or through functions it calls)."""
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        if control_flow_util_v2.in_while_loop_defun(graph):
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
+@contextlib.contextmanager
+def transposes_after_inputs() -> Iterator[None]:
+    """Within this block a forward's transposed weight waits for the matmul's input: for a loop that runs several
+    iterations at once, where a transpose that depends on the weight alone runs as soon as its iteration starts and
+    each iteration in flight holds its copy until its forward."""
+    _AFTER_INPUTS.depth = getattr(_AFTER_INPUTS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _AFTER_INPUTS.depth -= 1
 
 
 def transposed_weight(w: tf.Tensor, after: tf.Tensor | None = None) -> tf.Tensor:
     """w^T [out, in] as a tensor of its own: `EnsureShape` keeps Grappler from folding the transpose into the
-    matmul that reads it (see the module doc). With `after` (the matmul's other operand) and inside a while loop's
-    body, the transpose waits for it: a loop-invariant op would otherwise run as soon as its iteration starts, and
-    with M iterations in flight each would hold its copy until the iteration's forward."""
-    if after is not None and _in_loop_body():
+    matmul that reads it (see the module doc). With `after` (the matmul's other operand) inside a
+    `transposes_after_inputs` block, the transpose waits for it."""
+    if after is not None and getattr(_AFTER_INPUTS, "depth", 0):
         # The transpose's inputs are made before the block: TensorFlow adds no control input to an op one of whose
         # inputs was made under the same dependencies (a w captured there, the permutation's constant).
         w, perm = tf.identity(w), tf.constant([1, 0])

@@ -1,5 +1,7 @@
 """The forward matmul's operand layout: the rule that chooses it, and the same product and gradients either way."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -101,9 +103,9 @@ def test_a_plain_block_keeps_the_plain_form_whatever_the_setting():
     assert matmul_layout.use_transposed(256, "", "transposed", True)
 
 
-def _transposes_and_operands(fn, in_loop: bool) -> list[tuple[list[str], str]]:
-    """Traces fn(x, w) on x = xs[i] * 2 (inside a while loop's body, or not) and returns, for every Transpose op,
-    the names of its control inputs and the name of that x's op."""
+def _transposes_and_operands(fn, gated: bool) -> list[tuple[list[str], str]]:
+    """Traces fn(x, w) on x = xs[i] * 2 in a while loop's body (inside `transposes_after_inputs` or not) and returns,
+    for every Transpose op, the names of its control inputs and the name of that x's op."""
     found = []
     xs, w = tf.zeros([3, 4, 5]), tf.zeros([5, 6])
 
@@ -117,22 +119,44 @@ def _transposes_and_operands(fn, in_loop: bool) -> list[tuple[list[str], str]]:
 
     @tf.function(autograph=False)
     def run():
-        if in_loop:
-            return tf.while_loop(lambda i, acc: i < 3, body, (tf.constant(0), tf.constant(0.0)),
-                                 parallel_iterations=3)[1]
-        return body(tf.constant(0), tf.constant(0.0))[1]
+        return tf.while_loop(lambda i, acc: i < 3, body, (tf.constant(0), tf.constant(0.0)), parallel_iterations=3)[1]
 
-    run.get_concrete_function()
+    with matmul_layout.transposes_after_inputs() if gated else contextlib.nullcontext():
+        run.get_concrete_function()
     return found
 
 
 @pytest.mark.parametrize("fn", [matmul_layout.forward, matmul_layout.product])
-def test_in_a_loop_body_the_transpose_waits_for_the_iterations_input(monkeypatch, fn):
-    # A loop-invariant transpose would run as soon as its iteration starts: with M iterations in flight, M copies of
+def test_the_transpose_waits_for_the_iterations_input_where_asked(monkeypatch, fn):
+    # A transpose of the weight alone runs as soon as its iteration starts: with M iterations in flight, M copies of
     # every weight alive at once (measured: 1F1B's devices held 3.3x their stashes' memory with AVX2 kernels).
     monkeypatch.setenv("GPIPE_TF_MATMUL_LAYOUT", "transposed")
-    [(controls, x_name)] = _transposes_and_operands(fn, in_loop=True)
+    [(controls, x_name)] = _transposes_and_operands(fn, gated=True)
     assert controls == [x_name]
-    # Outside a loop the transpose stays free of the input, so that Unrolled's micro-batches share one per weight.
-    [(controls, _)] = _transposes_and_operands(fn, in_loop=False)
+    # Elsewhere it stays free of the input: Unrolled's micro-batches share one per weight, and a loop of one
+    # iteration at a time (FillDrain's default) makes it while waiting for the previous stage.
+    [(controls, _)] = _transposes_and_operands(fn, gated=False)
     assert controls == []
+
+
+def _host_loop_transpose_controls(parallel: int) -> list[int]:
+    """The control-input counts of the Transpose ops a forward makes in `loop_parts.host_loop`'s body."""
+    from gpipe_tf.gpipe import loop_parts
+
+    w, controls = tf.zeros([5, 6]), []
+
+    def body(acc):
+        matmul_layout.forward(acc[:, :5] + 1.0, w)
+        controls.extend(len(op.control_inputs) for op in tf.compat.v1.get_default_graph().get_operations()
+                        if op.type == "Transpose")
+        return acc * 2.0
+
+    tf.function(lambda: loop_parts.host_loop(body, tf.zeros([4, 6]), 4, parallel),
+                autograph=False).get_concrete_function()
+    return controls
+
+
+def test_host_loop_asks_for_it_only_with_several_iterations_at_once(monkeypatch):
+    monkeypatch.setenv("GPIPE_TF_MATMUL_LAYOUT", "transposed")
+    assert _host_loop_transpose_controls(4) == [1]
+    assert _host_loop_transpose_controls(1) == [0]

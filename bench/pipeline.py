@@ -357,14 +357,13 @@ def device_memory_worker(schedule: str, steps: int) -> None:
 
 
 def device_memory_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The lines of `device_memory_worker`'s rows: each schedule's peak per device, and its largest device against
+    """The lines of `median_device_row`'s rows: each schedule's peak per device, and its largest device against
     1F1B's largest."""
-    peaks = {r["schedule"]: r["device_peak_memory_mb"] for r in rows if "device_peak_memory_mb" in r}
-    processes = {r["schedule"]: len(r.get("device_peak_memory_runs_mb", [None])) for r in rows
-                 if "device_peak_memory_mb" in r}
-    out = [f"peak memory per device K=4 M=16 no remat {schedule}: {' / '.join(f'{v:.1f}' for v in p)} MiB"
-           f"{f' (medians of {processes[schedule]} processes)' if processes[schedule] > 1 else ''}"
-           for schedule, p in peaks.items()]
+    peaks = {r["schedule"]: r["device_peak_memory_mb"] for r in rows}
+    out = [f"peak memory per device K=4 M=16 no remat {r['schedule']}: "
+           f"{' / '.join(f'{v:.1f}' for v in r['device_peak_memory_mb'])} MiB"
+           f"{f' (medians of {n} processes)' if (n := len(r['device_peak_memory_runs_mb'])) > 1 else ''}"
+           for r in rows]
     base = peaks.get("one_f_one_b")
     for schedule, p in peaks.items():
         if base and schedule != "one_f_one_b":

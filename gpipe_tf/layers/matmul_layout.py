@@ -44,15 +44,20 @@ _AFTER_INPUTS = threading.local()  # .depth: how many `transposes_after_inputs` 
 
 
 @contextlib.contextmanager
-def plain() -> Iterator[None]:
-    """Within this block every forward takes the plain form, whatever the setting: for code that rebuilds the ops
-    it is given (`tf.vectorized_map` turns the 2-D matmuls the rule was measured on into batched ones, and XLA
-    cannot compile the gradient of a vectorized transpose)."""
-    _PLAIN.depth = getattr(_PLAIN, "depth", 0) + 1
+def _open_block(local: threading.local) -> Iterator[None]:
+    """Counts one more open block in `local.depth` while the block runs (blocks nest)."""
+    local.depth = getattr(local, "depth", 0) + 1
     try:
         yield
     finally:
-        _PLAIN.depth -= 1
+        local.depth -= 1
+
+
+def plain() -> contextlib.AbstractContextManager[None]:
+    """Within this block every forward takes the plain form, whatever the setting: for code that rebuilds the ops
+    it is given (`tf.vectorized_map` turns the 2-D matmuls the rule was measured on into batched ones, and XLA
+    cannot compile the gradient of a vectorized transpose)."""
+    return _open_block(_PLAIN)
 
 
 def layout_setting() -> str:
@@ -117,29 +122,25 @@ def _takes_transposed(x: tf.Tensor) -> bool:
     return use_transposed(x.shape[0], device)
 
 
-@contextlib.contextmanager
-def transposes_after_inputs() -> Iterator[None]:
+def transposes_after_inputs() -> contextlib.AbstractContextManager[None]:
     """Within this block a forward's transposed weight waits for the matmul's input: for a loop that runs several
     iterations at once, where a transpose that depends on the weight alone runs as soon as its iteration starts and
     each iteration in flight holds its copy until its forward."""
-    _AFTER_INPUTS.depth = getattr(_AFTER_INPUTS, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _AFTER_INPUTS.depth -= 1
+    return _open_block(_AFTER_INPUTS)
 
 
 def transposed_weight(w: tf.Tensor, after: tf.Tensor | None = None) -> tf.Tensor:
     """w^T [out, in] as a tensor of its own: `EnsureShape` keeps Grappler from folding the transpose into the
     matmul that reads it (see the module doc). With `after` (the matmul's other operand) inside a
     `transposes_after_inputs` block, the transpose waits for it."""
-    if after is not None and getattr(_AFTER_INPUTS, "depth", 0):
+    waits = after is not None and getattr(_AFTER_INPUTS, "depth", 0) > 0
+    perm = [1, 0]
+    if waits:
         # The transpose's inputs are made before the block: TensorFlow adds no control input to an op one of whose
         # inputs was made under the same dependencies (a w captured there, the permutation's constant).
-        w, perm = tf.identity(w), tf.constant([1, 0])
-        with tf.control_dependencies([after]):
-            return tf.ensure_shape(tf.transpose(w, perm), [w.shape[1], w.shape[0]])
-    return tf.ensure_shape(tf.transpose(w), [w.shape[1], w.shape[0]])
+        w, perm = tf.identity(w), tf.constant(perm)
+    with tf.control_dependencies([after]) if waits else contextlib.nullcontext():
+        return tf.ensure_shape(tf.transpose(w, perm), [w.shape[1], w.shape[0]])
 
 
 def product(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:

@@ -1,6 +1,6 @@
-"""The suggestion is right: for configurations that do not fit a budget set below their measured peak, applying the
-printed change gives a measured peak under the budget. Each stage is measured alone in a fresh process with TF's BFC
-allocator (`bench.isolated_memory`)."""
+"""The suggestion is right: for configurations that do not fit a budget set below both their measured and their
+planned peak, applying the printed change gives a measured peak under the budget. Each stage is measured alone in a
+fresh process with TF's BFC allocator (`bench.isolated_memory`)."""
 
 import pytest
 
@@ -15,7 +15,10 @@ pytestmark = pytest.mark.slow
 # K=1 and at K=2, the Transformer stack with remat.
 CASES = [(c.model, c.gin, c.overrides) for c in memory_check.CONFIGS
          if c.name in ("mlp-k1-m1-never-fd", "mlp-k2-m4-never-fd", "transformer-k2-m8-always-fd")]
-SHARE = 0.8  # the budget: this share of the measured peak (the planner is validated to within 15%)
+# The budget: this share of the smaller of the measured and the planned peak. Below both, the configuration does not
+# fit by either view, whichever way the plan errs on this run (a stage's measured peak moves by up to 2 MiB between
+# processes: BFC hands out a free chunk of up to twice the bytes asked without splitting it).
+SHARE = 0.8
 
 
 def _job(model, gin, overrides):
@@ -27,13 +30,14 @@ def _job(model, gin, overrides):
 ))
 def test_applying_the_suggestion_fits_the_measured_peak():
     measured = memory_check.measure_in_fresh_process([_job(*case) for case in CASES])
-    budgets = [int(SHARE * max(s["measured"] for s in stages)) for stages in measured]
-    changed, hints = [], []
-    for (model, gin, overrides), budget in zip(CASES, budgets):
+    budgets, changed, hints = [], [], []
+    for (model, gin, overrides), stages in zip(CASES, measured):
         params, _ = experiment.resolve_params(model, gin_bindings=list(gin), overrides=overrides)
         pipe = params.task.network
-        predicted = plan.plan_pipeline(pipe, params.train, device_memory=budget)
-        assert predicted["fits"] is False, (model, overrides, budget, predicted["max_peak"])
+        planned = plan.plan_pipeline(pipe, params.train)["max_peak"]
+        budget = int(SHARE * min(planned, max(s["measured"] for s in stages)))
+        budgets.append(budget)
+        assert plan.plan_pipeline(pipe, params.train, device_memory=budget)["fits"] is False, (model, budget)
         hint = suggest.suggest(pipe, params.train, budget)
         assert hint is not None, (model, overrides, budget)
         hints.append(hint["change"])

@@ -13,6 +13,10 @@ independent ops (by up to a quarter on these small configurations), and a device
 largest over several steps. Everything the worker holds counts: its stages' variables and slots, the micro-batches it
 receives, the schedule's stashes, the head's work on the last stage, and what TensorFlow keeps between steps there.
 
+With `tensors`, more steps are traced with the TensorFlow profiler on every worker and "tensors" is the most bytes
+the worker's tensors held at once in them (`tensors_peak`): the allocator's peak less the unused part of the
+chunks it handed out whole, which depends on which chunks earlier steps left free.
+
 One configuration per fresh process (`measure_in_fresh_process`): a client connects to one cluster once.
 
 What holds a worker's peak: `--at_peak` also traces a step with the TensorFlow profiler on every worker and lists
@@ -35,10 +39,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
-                 at_peak: bool = False) -> dict[str, Any]:
+                 at_peak: bool = False, tensors: bool = False) -> dict[str, Any]:
     """Runs `steps` training steps of the configured experiment on faithful devices in this process (the module
     doc); {"measured": [bytes per device], "predicted": [the plan's peak per device], "plan": the plan}, and with
-    `at_peak` "at_peak": [per device, `peak_allocations` of one more traced step].
+    `at_peak` "at_peak": [per device, `peak_allocations` of more traced steps], with `tensors` "tensors": [per
+    device, `tensors_peak` of more traced steps, less the bytes held before the task was built].
 
     Call it once per process: the client connects to its workers' cluster for good.
     """
@@ -55,7 +60,7 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
     pipe = dict(find_pipelines(params.task))["task.network"]
     plan = plan_pipeline(pipe, params.train, head=task_head(params.task, "task.network"))
     k = plan["num_devices"]
-    with workers.LocalWorkers(k, memory=True, profiler=at_peak) as cluster:
+    with workers.LocalWorkers(k, memory=True, profiler=at_peak or tensors) as cluster:
         workers.connect(cluster.spec)
         placement.set_auto_kind("workers")
         before = [cluster.memory_info(t)["current"] for t in range(k)]
@@ -73,20 +78,25 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
             step()
         measured = [cluster.memory_info(t)["peak"] - before[t] for t in range(k)]
         result = {"measured": measured, "predicted": [row["peak"] for row in plan["devices"]], "plan": plan}
-        if at_peak:
+        if at_peak or tensors:
             from bench import op_breakdown
 
             with op_breakdown.worker_traces(cluster.profiler_addresses, step, 3000, 0.5) as paths:
-                result["at_peak"] = [peak_allocations(path) for path in paths]
+                events = [memory_events(path) for path in paths]
+            if tensors:
+                result["tensors"] = [tensors_peak(e) - before[t] for t, e in enumerate(events)]
+                result["traced"] = [max([int(st.get("bytes_allocated") or 0) for _, _, st in e] + [0]) - before[t]
+                                    for t, e in enumerate(events)]
+            if at_peak:
+                result["at_peak"] = [peak_allocations(e) for e in events]
     return result
 
 
-def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
-    """The allocations alive when the allocator of one worker's profiler trace (`*.xplane.pb`) held the most:
-    {"peak": bytes, "by_op": [[bytes, count, op name, kind], ...] largest first, `top` of them (kind: "output"
-    for an op's result, "temp" for its scratch memory), "traced": the allocator chunks' bytes of the step's
-    allocations alive then, "requested": the bytes those allocations asked for}. The allocator (BFC) hands out a
-    free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor."""
+MemoryEvent = tuple[int, bool, dict[str, Any]]  # (time in ps, an allocation (else a deallocation), its stats)
+
+
+def memory_events(trace_path: str) -> list[MemoryEvent]:
+    """The allocator's events of one worker's profiler trace (`*.xplane.pb`), in time order."""
     from bench.op_breakdown import read_space
 
     space = read_space(trace_path)
@@ -100,9 +110,35 @@ def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
                     stats = {names.get(st.metadata_id): st.str_value or names.get(st.ref_value) or st.int64_value
                              or st.uint64_value for st in event.stats}
                     events.append((line.timestamp_ns * 1000 + event.offset_ps, kind == "MemoryAllocation", stats))
+    return sorted(events, key=lambda e: e[0])
+
+
+def tensors_peak(events: Sequence[MemoryEvent]) -> int:
+    """The most bytes the worker's tensors held at once over the traced steps: after each event, the allocator's
+    bytes in use less the unused part of the chunks alive that were handed out during the trace (BFC hands out a
+    free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor, and how
+    much depends on which chunks earlier steps left free)."""
+    slack: dict[Any, int] = {}  # addr -> chunk bytes - requested bytes, of the traced allocations alive
+    total_slack, peak = 0, 0
+    for _, allocation, stats in events:
+        addr = stats.get("addr")
+        total_slack -= slack.pop(addr, 0)
+        if allocation:
+            slack[addr] = int(stats.get("allocation_bytes") or 0) - int(stats.get("requested_bytes") or 0)
+            total_slack += slack[addr]
+        peak = max(peak, int(stats.get("bytes_allocated") or 0) - total_slack)
+    return peak
+
+
+def peak_allocations(events: Sequence[MemoryEvent], top: int = 12) -> dict[str, Any]:
+    """The allocations alive when the allocator of one worker's trace (`memory_events`) held the most:
+    {"peak": bytes, "by_op": [[bytes, count, op name, kind], ...] largest first, `top` of them (kind: "output"
+    for an op's result, "temp" for its scratch memory), "traced": the allocator chunks' bytes of the step's
+    allocations alive then, "requested": the bytes those allocations asked for}. The allocator (BFC) hands out a
+    free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor."""
     live: dict[Any, tuple[int, str, str, int]] = {}  # addr -> (chunk bytes, op, kind, requested bytes)
     peak, at_peak = 0, {}
-    for _, allocation, stats in sorted(events, key=lambda e: e[0]):
+    for _, allocation, stats in events:
         if allocation:
             live[stats.get("addr")] = (int(stats.get("allocation_bytes") or 0), str(stats.get("tf_op") or "?"),
                                        str(stats.get("region_type") or "?"), int(stats.get("requested_bytes") or 0))
@@ -121,10 +157,11 @@ def peak_allocations(trace_path: str, top: int = 12) -> dict[str, Any]:
 
 
 def measure_in_fresh_process(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
-                             timeout: float = 1800, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+                             timeout: float = 1800, env: Mapping[str, str] | None = None,
+                             tensors: bool = False) -> dict[str, Any]:
     """`measure_step` in a fresh Python process, with `env` added to this one's environment (its workers inherit
     it); raises RuntimeError with its stderr's tail if it fails."""
-    job = json.dumps({"model": model, "gin": list(gin), "overrides": overrides, "steps": steps})
+    job = json.dumps({"model": model, "gin": list(gin), "overrides": overrides, "steps": steps, "tensors": tensors})
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     done = subprocess.run([sys.executable, "-m", "bench.step_memory", job], env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -147,10 +184,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps={args.steps}: at least 2 (the first step warms up)")
-    result = measure_step(args.model, args.gin_param, args.params, args.steps, args.at_peak)
+    result = measure_step(args.model, args.gin_param, args.params, args.steps, args.at_peak, tensors=args.at_peak)
     for d, (predicted, measured) in enumerate(zip(result["predicted"], result["measured"])):
         print(f"device {d}: predicted {predicted / 2 ** 20:.2f} MiB, measured {measured / 2 ** 20:.2f} MiB "
               f"({predicted / measured - 1:+.1%})")
+        if "tensors" in result:
+            tensors = result["tensors"][d]
+            print(f"  its tensors' peak in the traced steps: {tensors / 2 ** 20:.2f} MiB "
+                  f"({predicted / tensors - 1:+.1%})")
         at_peak = result.get("at_peak", [{}] * (d + 1))[d]
         if at_peak:
             print(f"  the step's allocations alive at the peak: {at_peak['traced'] / 2 ** 20:.2f} MiB of allocator "
@@ -163,6 +204,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1].startswith("{"):  # measure_in_fresh_process's job
         _job = json.loads(sys.argv[1])
-        print(json.dumps(measure_step(_job["model"], _job["gin"], _job["overrides"], _job["steps"])))
+        print(json.dumps(measure_step(_job["model"], _job["gin"], _job["overrides"], _job["steps"],
+                                      tensors=_job["tensors"])))
     else:
         main()

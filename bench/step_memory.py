@@ -43,7 +43,8 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
     """Runs `steps` training steps of the configured experiment on faithful devices in this process (the module
     doc); {"measured": [bytes per device], "predicted": [the plan's peak per device], "plan": the plan}, and with
     `at_peak` "at_peak": [per device, `peak_allocations` of more traced steps], with `tensors` "tensors": [per
-    device, `tensors_peak` of more traced steps, less the bytes held before the task was built].
+    device, `tensors_peak` of more traced steps, less the bytes held before the task was built] and "traced" [per
+    device, the allocator's peak in those steps, on the same scale].
 
     Call it once per process: the client connects to its workers' cluster for good.
     """

@@ -9,7 +9,11 @@ the gradients (biases, normalization weights, a weight's non-matmul uses), to wh
 
 Memory: a stage keeps its matmuls' inputs and output gradients of all M micro-batches until the loop ends, as
 GPipe keeps its stashes; the gain is time where weights are large and micro-batches small (M matmuls and M
-additions into a running sum become one matmul per weight).
+additions into a running sum become one matmul per weight). Gathering a weight's pairs out of the arrays copies
+them, and each gather reads only the arrays, so made all at once a device's executor may run every gather before
+the first W: a second copy of the whole stash. The W of a device therefore run one weight after another, each
+weight's gather waiting for the previous weight's gradient (`_add_weight_gradients`' `after`), so one weight's
+copy is alive at a time.
 
 The knob's default, "auto", batches exactly the weights for which that memory is small: a weight whose watched
 matmuls' inputs and output gradients over all M micro-batches take no more elements than the weight itself
@@ -39,6 +43,7 @@ from gpipe_tf.layers.weight_gradients import MatmulCall, MatmulRecord, WeightSta
 
 KNOB = "batch_weight_gradients"
 AUTO = "auto"
+BlockMaker = Callable[[], tf.Tensor]  # makes one row block of a batched W's X or dY (when called, in order)
 
 
 def define_knob(p: InstantiableParams) -> InstantiableParams:
@@ -152,18 +157,24 @@ class StashLayout:
         self.layout[stage], self.counts[stage] = layout, counts
         return tuple(groups)
 
-    def add_weight_gradients(self, stage: int, kept: tuple, sums: Sequence[tf.Tensor],
-                             num_micro_batches: int) -> tuple[tf.Tensor, ...]:
-        """`sums` (stage `stage`'s loop sums) plus each stashed weight's batched gradient, on the stage's device."""
-        by_weight: dict[int, tuple[list[tf.Tensor], list[tf.Tensor]]] = {}
+    def add_weight_gradients(self, stage: int, kept: tuple, sums: Sequence[tf.Tensor], num_micro_batches: int,
+                             after: Sequence[tf.Tensor] = ()) -> tuple[tuple[tf.Tensor, ...], list[tf.Tensor]]:
+        """(`sums` (stage `stage`'s loop sums) plus each stashed weight's batched gradient, on the stage's device;
+        the last W made, for the next stage on the device to wait for). Its first gather waits for `after`."""
+        by_weight: dict[int, tuple[list[BlockMaker], list[BlockMaker]]] = {}
+
+        def gathered(array: tf.TensorArray, rows: tf.Tensor, dim: int) -> BlockMaker:
+            return lambda: tf.reshape(array.gather(rows), [-1, dim])
+
         with tf.device(self.devices[stage]), tf.name_scope("batched_weight_gradients"):
             for weight, g, position, in_dim, out_dim in self.layout[stage]:
                 rows = tf.range(num_micro_batches) * self.counts[stage][g] + position
                 xs, dys = kept[g]
                 pair = by_weight.setdefault(weight, ([], []))
-                pair[0].append(tf.reshape(xs.gather(rows), [-1, in_dim]))
-                pair[1].append(tf.reshape(dys.gather(rows), [-1, out_dim]))
-            return tuple(_add_weight_gradients(sums, by_weight))
+                pair[0].append(gathered(xs, rows, in_dim))
+                pair[1].append(gathered(dys, rows, out_dim))
+            out, last = _add_weight_gradients(sums, by_weight, after)
+            return tuple(out), last
 
 
 class RoutedStashes:
@@ -215,8 +226,14 @@ class RoutedStashes:
         gradients (`list_gradients`, in `sources` order), each on its stage's device."""
         out, grads = [], iter(list_gradients)
         start = 0
+        done: dict[str, list[tf.Tensor]] = {}  # per device, its last W: the next stage there waits for it
+
+        def stacked(lst: tf.Tensor, call: MatmulCall, dim: int) -> BlockMaker:
+            return lambda: tf.reshape(list_ops.tensor_list_stack(lst, call.dtype, element_shape=[call.rows, dim]),
+                                      [-1, dim])
+
         for stage, (device, stage_calls) in enumerate(zip(self.devices, self.calls)):
-            by_weight: dict[int, tuple[list[tf.Tensor], list[tf.Tensor]]] = {}
+            by_weight: dict[int, tuple[list[BlockMaker], list[BlockMaker]]] = {}
             stage_sums = sums[start:start + self.num_weights[stage]]
             with tf.device(device), tf.name_scope("batched_weight_gradients"):
                 for call in stage_calls:
@@ -224,10 +241,10 @@ class RoutedStashes:
                     if dx_list is None or dy_list is None:
                         continue  # the matmul's output did not reach the loss
                     pair = by_weight.setdefault(call.weight, ([], []))
-                    for blocks, lst, dim in ((pair[0], dx_list, call.input_dim), (pair[1], dy_list, call.output_dim)):
-                        stacked = list_ops.tensor_list_stack(lst, call.dtype, element_shape=[call.rows, dim])
-                        blocks.append(tf.reshape(stacked, [-1, dim]))
-                out += _add_weight_gradients(stage_sums, by_weight)
+                    pair[0].append(stacked(dx_list, call, call.input_dim))
+                    pair[1].append(stacked(dy_list, call, call.output_dim))
+                stage_out, done[device] = _add_weight_gradients(stage_sums, by_weight, done.get(device, ()))
+                out += stage_out
             start += self.num_weights[stage]
         return out
 
@@ -249,15 +266,21 @@ def discover_calls(forward: Callable[[Any, list[WeightStash]], Any], num_stages:
     return [calls if all(c.rows is not None for c in calls) else [] for calls in found]
 
 
-def _add_weight_gradients(sums: Sequence[tf.Tensor | None],
-                          by_weight: dict[int, tuple[list[tf.Tensor], list[tf.Tensor]]]) -> list[tf.Tensor | None]:
-    """`sums` (one stage's) with weight j's X^T dY added from its (x blocks, dy blocks) in `by_weight`; a None
-    sum (no other gradient) becomes the batched gradient alone."""
+def _add_weight_gradients(sums: Sequence[tf.Tensor | None], by_weight: dict[int, tuple[list[BlockMaker],
+                          list[BlockMaker]]], after: Sequence[tf.Tensor] = ()) -> tuple[list[tf.Tensor | None],
+                                                                                       list[tf.Tensor]]:
+    """(`sums` (one stage's) with weight j's X^T dY added from the blocks its (x, dy) makers in `by_weight` make,
+    a None sum (no other gradient) becoming the batched gradient alone; the last W made). Weight by weight, the
+    blocks are made once the previous W (the first: `after`) is done, so one weight's copies are alive at once
+    (the module doc)."""
     out = list(sums)
-    for j, (x_blocks, dy_blocks) in sorted(by_weight.items()):
-        w = weight_gradient(x_blocks, dy_blocks)
+    previous = list(after)
+    for j, (x_makers, dy_makers) in sorted(by_weight.items()):
+        with tf.control_dependencies(previous):
+            w = weight_gradient([make() for make in x_makers], [make() for make in dy_makers])
+        previous = [w]
         out[j] = w if out[j] is None else out[j] + tf.cast(w, out[j].dtype)
-    return out
+    return out, previous
 
 
 def _reserve(shape: list, dtype: tf.DType, size: int) -> tf.Tensor:

@@ -236,3 +236,34 @@ def test_the_graph_with_batched_w_does_not_grow_with_m(schedule):
         layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, m, "never", batched(schedule))
         counts.append(count_ops(_step_graph(layer, x, targets, head)))
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("schedule", ["fill_drain", "zero_bubble", "zero_bubble_v"])
+def test_a_devices_batched_w_gather_one_weight_after_another(schedule):
+    """Each batched W's blocks (the gathers or stacks that copy its micro-batches' x and dy) wait for the previous
+    W on the device, across its chunks: the device's W form one chain, so one weight's copies are alive at a time
+    (made at once, every weight's copies of a whole stash could be)."""
+    x, targets, head = data("float64")
+    layer = build(mlp_layers("float64", depth=DEPTH), "float64", 2, 4, "never", batched(schedule))
+    graph = _step_graph(layer, x, targets, head)
+    scope = {op.name: op for op in graph.get_operations() if "batched_weight_gradients" in op.name}
+    w_ops = {name for name, op in scope.items() if op.type == "MatMul" and op.get_attr("transpose_a")}
+    blocks = [op for op in scope.values() if op.type in ("TensorListGather", "TensorListStack")]
+    assert len(w_ops) == DEPTH and len(blocks) == 2 * DEPTH
+
+    def awaited(op, seen):
+        """The W ops `op` waits for, through data and control edges inside the scope."""
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            if parent.name in scope and parent.name not in seen:
+                seen.add(parent.name)
+                awaited(parent, seen)
+        return seen & w_ops
+
+    def device(op):
+        return op.device.split("device:")[-1]
+
+    for d in {device(scope[name]) for name in w_ops}:
+        n = sum(device(scope[name]) == d for name in w_ops)
+        # The k-th W of the device's chain (from 0) waits for the k before it: both its blocks do.
+        counts = sorted(len(awaited(op, set())) for op in blocks if device(op) == d)
+        assert counts == sorted(2 * list(range(n))), (d, counts)

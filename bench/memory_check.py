@@ -4,6 +4,7 @@ measured peak, for configurations spanning the families, schedules, remat polici
   python -m bench.memory_check                       # the validation table (docs/memory.md)
   python -m bench.memory_check --only mlp-k2-m4-fd-never-adam-f32,amoebanet-k2-m4-fd-always-rmsprop-f32
   python -m bench.memory_check --list
+  python -m bench.memory_check --processes 3         # each device's largest peaks over 3 fresh processes
 
 Each configuration runs in a fresh process (`bench.step_memory`): K single-thread TensorFlow workers, stage k on
 worker k, the trainer's own train step on the experiment's input, each worker's BFC allocator read from inside
@@ -90,10 +91,24 @@ CONFIGS = [
 ]
 
 
-def check(configs: list[Config], log: bool = True) -> list[dict]:
-    """Measures each configuration (a fresh process each) and prints one row per device as it goes; returns
-    [{"config", "device", "stashed", "predicted", "measured" (the tensors' peak), "error", "allocator",
-    "allocator_error"}]."""
+def largest_over_runs(results: list[dict]) -> dict:
+    """One configuration's `step_memory` results from several fresh processes as one: per device the largest
+    tensors' and allocator peak (a device must hold what any run of the step took), every run's kept
+    ("tensors_runs", "allocator_runs": per run, per device)."""
+    if not results:
+        raise ValueError("largest_over_runs: no runs; measure one or more processes")
+    if len({len(r["tensors"]) for r in results} | {len(r["measured"]) for r in results}) != 1:
+        raise ValueError("largest_over_runs: the runs measured different numbers of devices")
+    tensors = [r["tensors"] for r in results]
+    allocator = [r["measured"] for r in results]
+    return {**results[0], "tensors": [max(d) for d in zip(*tensors)], "measured": [max(d) for d in zip(*allocator)],
+            "tensors_runs": tensors, "allocator_runs": allocator}
+
+
+def check(configs: list[Config], log: bool = True, processes: int = 1) -> list[dict]:
+    """Measures each configuration (`processes` fresh processes each, per device the largest of them) and prints
+    one row per device as it goes; returns [{"config", "device", "stashed", "predicted", "measured" (the tensors'
+    peak), "error", "allocator", "allocator_error"}]."""
     from bench import step_memory
 
     # TensorFlow's own kernels unless the environment chooses (the module doc says why).
@@ -103,7 +118,9 @@ def check(configs: list[Config], log: bool = True) -> list[dict]:
         print(f"{'configuration':<45} {'device':>6} {'stash':>5} {'predicted MiB':>13} {'tensors MiB':>11} "
               f"{'error':>7} {'allocator MiB':>13} {'error':>7}", flush=True)
     for c in configs:
-        result = step_memory.measure_in_fresh_process(c.model, c.gin, c.overrides, env=kernels, tensors=True)
+        result = largest_over_runs([
+            step_memory.measure_in_fresh_process(c.model, c.gin, c.overrides, env=kernels, tensors=True)
+            for _ in range(processes)])
         for d, (predicted, measured, allocator) in enumerate(zip(result["predicted"], result["tensors"],
                                                                  result["measured"])):
             row = {"config": c.name, "device": d, "predicted": predicted, "measured": measured,
@@ -123,7 +140,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="", help="Comma-separated configuration names (default: all).")
     parser.add_argument("--list", action="store_true", help="Print the configurations and their overrides.")
+    parser.add_argument("--processes", type=int, default=1, help="Fresh processes per configuration; each "
+                        "device's peaks are the largest of them (default 1).")
     args = parser.parse_args()
+    if args.processes < 1:
+        parser.error(f"--processes={args.processes}: at least 1 (fresh processes per configuration)")
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - {c.name for c in CONFIGS})
     if unknown:
@@ -134,7 +155,7 @@ def main() -> None:
             flags = [f"--model={c.model}", *[f"--gin_param={g}" for g in c.gin], f"--params={c.overrides}"]
             print(f"{c.name}: {shlex.join(flags)}")
         return
-    rows = check(chosen)
+    rows = check(chosen, processes=args.processes)
     for key, what in (("error", "tensors"), ("allocator_error", "allocator")):
         outside = [r for r in rows if abs(r[key]) > TOLERANCE or r[key] < -UNDER]
         worst = max(rows, key=lambda r: abs(r[key]))

@@ -1,0 +1,25 @@
+"""bench.memory_check: several fresh processes of one configuration combine into each device's largest peaks."""
+
+import pytest
+
+from bench import memory_check
+
+
+def _run(tensors, allocator):
+    return {"tensors": tensors, "measured": allocator, "predicted": [5, 6], "plan": {"devices": []}}
+
+
+def test_largest_over_runs_takes_each_devices_largest_peaks_and_keeps_every_run():
+    runs = [_run([176, 215], [200, 219]), _run([208, 203], [224, 219]), _run([192, 208], [203, 220])]
+    combined = memory_check.largest_over_runs(runs)
+    assert combined["tensors"] == [208, 215] and combined["measured"] == [224, 220]
+    assert combined["tensors_runs"] == [[176, 215], [208, 203], [192, 208]]
+    assert combined["allocator_runs"] == [[200, 219], [224, 219], [203, 220]]
+    assert combined["predicted"] == [5, 6]
+
+
+def test_largest_over_runs_refuses_no_runs_and_runs_of_different_devices():
+    with pytest.raises(ValueError, match="no runs"):
+        memory_check.largest_over_runs([])
+    with pytest.raises(ValueError, match="different numbers of devices"):
+        memory_check.largest_over_runs([_run([1, 2], [1, 2]), _run([1], [1])])

@@ -12,8 +12,8 @@ GPipe keeps its stashes; the gain is time where weights are large and micro-batc
 additions into a running sum become one matmul per weight). Gathering a weight's pairs out of the arrays copies
 them, and each gather reads only the arrays, so made all at once a device's executor may run every gather before
 the first W: a second copy of the whole stash. The W of a device therefore run one weight after another, each
-weight's gather waiting for the previous weight's gradient (`_add_weight_gradients`' `after`), so one weight's
-copy is alive at a time.
+weight's gather waiting for the previous weight's gradient on the device (`_add_weight_gradients`), so one
+weight's copy is alive at a time.
 
 The knob's default, "auto", batches exactly the weights for which that memory is small: a weight whose watched
 matmuls' inputs and output gradients over all M micro-batches take no more elements than the weight itself
@@ -157,24 +157,23 @@ class StashLayout:
         self.layout[stage], self.counts[stage] = layout, counts
         return tuple(groups)
 
-    def add_weight_gradients(self, stage: int, kept: tuple, sums: Sequence[tf.Tensor], num_micro_batches: int,
-                             after: Sequence[tf.Tensor] = ()) -> tuple[tuple[tf.Tensor, ...], list[tf.Tensor]]:
-        """(`sums` (stage `stage`'s loop sums) plus each stashed weight's batched gradient, on the stage's device;
-        the last W made, for the next stage on the device to wait for). Its first gather waits for `after`."""
-        by_weight: dict[int, tuple[list[BlockMaker], list[BlockMaker]]] = {}
-
-        def gathered(array: tf.TensorArray, rows: tf.Tensor, dim: int) -> BlockMaker:
-            return lambda: tf.reshape(array.gather(rows), [-1, dim])
-
-        with tf.device(self.devices[stage]), tf.name_scope("batched_weight_gradients"):
-            for weight, g, position, in_dim, out_dim in self.layout[stage]:
-                rows = tf.range(num_micro_batches) * self.counts[stage][g] + position
-                xs, dys = kept[g]
-                pair = by_weight.setdefault(weight, ([], []))
-                pair[0].append(gathered(xs, rows, in_dim))
-                pair[1].append(gathered(dys, rows, out_dim))
-            out, last = _add_weight_gradients(sums, by_weight, after)
-            return tuple(out), last
+    def add_weight_gradients(self, kept: Sequence[tuple], sums: Sequence[Sequence[tf.Tensor]],
+                             num_micro_batches: int) -> list[tuple[tf.Tensor, ...]]:
+        """Per stage, `sums[stage]` (its loop sums) plus each stashed weight's batched gradient from `kept[stage]`
+        (its arrays), on the stage's device; a device's W run one weight after another (the module doc)."""
+        last_w: dict[str, list[tf.Tensor]] = {}
+        out = []
+        for stage, device in enumerate(self.devices):
+            by_weight: dict[int, tuple[list[BlockMaker], list[BlockMaker]]] = {}
+            with tf.device(device), tf.name_scope("batched_weight_gradients"):
+                for weight, g, position, in_dim, out_dim in self.layout[stage]:
+                    rows = tf.range(num_micro_batches) * self.counts[stage][g] + position
+                    xs, dys = kept[stage][g]
+                    pair = by_weight.setdefault(weight, ([], []))
+                    pair[0].append(_gathered(xs, rows, in_dim))
+                    pair[1].append(_gathered(dys, rows, out_dim))
+                out.append(tuple(_add_weight_gradients(sums[stage], by_weight, last_w, device)))
+        return out
 
 
 class RoutedStashes:
@@ -226,12 +225,7 @@ class RoutedStashes:
         gradients (`list_gradients`, in `sources` order), each on its stage's device."""
         out, grads = [], iter(list_gradients)
         start = 0
-        done: dict[str, list[tf.Tensor]] = {}  # per device, its last W: the next stage there waits for it
-
-        def stacked(lst: tf.Tensor, call: MatmulCall, dim: int) -> BlockMaker:
-            return lambda: tf.reshape(list_ops.tensor_list_stack(lst, call.dtype, element_shape=[call.rows, dim]),
-                                      [-1, dim])
-
+        last_w: dict[str, list[tf.Tensor]] = {}
         for stage, (device, stage_calls) in enumerate(zip(self.devices, self.calls)):
             by_weight: dict[int, tuple[list[BlockMaker], list[BlockMaker]]] = {}
             stage_sums = sums[start:start + self.num_weights[stage]]
@@ -241,10 +235,9 @@ class RoutedStashes:
                     if dx_list is None or dy_list is None:
                         continue  # the matmul's output did not reach the loss
                     pair = by_weight.setdefault(call.weight, ([], []))
-                    pair[0].append(stacked(dx_list, call, call.input_dim))
-                    pair[1].append(stacked(dy_list, call, call.output_dim))
-                stage_out, done[device] = _add_weight_gradients(stage_sums, by_weight, done.get(device, ()))
-                out += stage_out
+                    pair[0].append(_stacked(dx_list, call, call.input_dim))
+                    pair[1].append(_stacked(dy_list, call, call.output_dim))
+                out += _add_weight_gradients(stage_sums, by_weight, last_w, device)
             start += self.num_weights[stage]
         return out
 
@@ -266,21 +259,30 @@ def discover_calls(forward: Callable[[Any, list[WeightStash]], Any], num_stages:
     return [calls if all(c.rows is not None for c in calls) else [] for calls in found]
 
 
-def _add_weight_gradients(sums: Sequence[tf.Tensor | None], by_weight: dict[int, tuple[list[BlockMaker],
-                          list[BlockMaker]]], after: Sequence[tf.Tensor] = ()) -> tuple[list[tf.Tensor | None],
-                                                                                       list[tf.Tensor]]:
-    """(`sums` (one stage's) with weight j's X^T dY added from the blocks its (x, dy) makers in `by_weight` make,
-    a None sum (no other gradient) becoming the batched gradient alone; the last W made). Weight by weight, the
-    blocks are made once the previous W (the first: `after`) is done, so one weight's copies are alive at once
-    (the module doc)."""
+def _add_weight_gradients(sums: Sequence[tf.Tensor | None],
+                          by_weight: dict[int, tuple[list[BlockMaker], list[BlockMaker]]],
+                          last_w: dict[str, list[tf.Tensor]], device: str) -> list[tf.Tensor | None]:
+    """`sums` (one stage's, on `device`) with weight j's X^T dY added from the blocks its (x, dy) makers in
+    `by_weight` make; a None sum (no other gradient) becomes the batched gradient alone. Weight by weight, the
+    blocks are made once the device's previous W (`last_w[device]`, updated here) is done, so one weight's copies
+    are alive at a time (the module doc)."""
     out = list(sums)
-    previous = list(after)
     for j, (x_makers, dy_makers) in sorted(by_weight.items()):
-        with tf.control_dependencies(previous):
+        with tf.control_dependencies(last_w.get(device, [])):
             w = weight_gradient([make() for make in x_makers], [make() for make in dy_makers])
-        previous = [w]
+        last_w[device] = [w]
         out[j] = w if out[j] is None else out[j] + tf.cast(w, out[j].dtype)
-    return out, previous
+    return out
+
+
+def _gathered(array: tf.TensorArray, rows: tf.Tensor, dim: int) -> BlockMaker:
+    """Makes the rows `rows` of a stash's array as one [rows x M, dim] block (a copy)."""
+    return lambda: tf.reshape(array.gather(rows), [-1, dim])
+
+
+def _stacked(lst: tf.Tensor, call: MatmulCall, dim: int) -> BlockMaker:
+    """Makes a routed list's M elements as one [rows x M, dim] block (a copy)."""
+    return lambda: tf.reshape(list_ops.tensor_list_stack(lst, call.dtype, element_shape=[call.rows, dim]), [-1, dim])
 
 
 def _reserve(shape: list, dtype: tf.DType, size: int) -> tf.Tensor:

@@ -315,13 +315,7 @@ class WindowedLoop:
             self.aux_sums = tf.nest.pack_sequence_as(job.aux_spec, list(final.aux_sums))
         if not self.batched:
             return final.grad_sums
-        out, done = [], {}  # per device, its last W: the device's next chunk gathers after it (batched_weights)
-        for c in range(job.num_chunks):
-            device = self.stash_layout.devices[c]
-            sums, done[device] = self.stash_layout.add_weight_gradients(
-                c, final.kept[c], final.grad_sums[c], job.num_micro_batches, done.get(device, ()))
-            out.append(sums)
-        return out
+        return self.stash_layout.add_weight_gradients(final.kept, final.grad_sums, job.num_micro_batches)
 
     def gradients(self, final: LoopState, grad_sums: Sequence[tuple[tf.Tensor, ...]],
                   split: loop_parts.SplitArguments, upstream: Sequence[tf.Tensor]) -> list[tf.Tensor]:

@@ -27,6 +27,8 @@ import argparse
 import os
 import shlex
 
+from bench import per_device
+from bench.cli import positive_count
 from bench.isolated_memory import Config
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -95,14 +97,11 @@ def largest_over_runs(results: list[dict]) -> dict:
     """One configuration's `step_memory` results from several fresh processes as one: per device the largest
     tensors' and allocator peak (a device must hold what any run of the step took), every run's kept
     ("tensors_runs", "allocator_runs": per run, per device)."""
-    if not results:
-        raise ValueError("largest_over_runs: no runs; measure one or more processes")
-    if len({len(r["tensors"]) for r in results} | {len(r["measured"]) for r in results}) != 1:
-        raise ValueError("largest_over_runs: the runs measured different numbers of devices")
     tensors = [r["tensors"] for r in results]
     allocator = [r["measured"] for r in results]
-    return {**results[0], "tensors": [max(d) for d in zip(*tensors)], "measured": [max(d) for d in zip(*allocator)],
-            "tensors_runs": tensors, "allocator_runs": allocator}
+    largest = {"tensors": per_device.combine(tensors, max, "tensors' peaks"),
+               "measured": per_device.combine(allocator, max, "allocator peaks")}
+    return {**results[0], **largest, "tensors_runs": tensors, "allocator_runs": allocator}
 
 
 def check(configs: list[Config], log: bool = True, processes: int = 1) -> list[dict]:
@@ -140,11 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="", help="Comma-separated configuration names (default: all).")
     parser.add_argument("--list", action="store_true", help="Print the configurations and their overrides.")
-    parser.add_argument("--processes", type=int, default=1, help="Fresh processes per configuration; each "
-                        "device's peaks are the largest of them (default 1).")
+    parser.add_argument("--processes", type=positive_count, default=1, help="Fresh processes per configuration; "
+                        "each device's peaks are the largest of them (default 1).")
     args = parser.parse_args()
-    if args.processes < 1:
-        parser.error(f"--processes={args.processes}: at least 1 (fresh processes per configuration)")
     names = [n for n in args.only.split(",") if n]
     unknown = sorted(set(names) - {c.name for c in CONFIGS})
     if unknown:

@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench import op_breakdown
+from bench import op_breakdown, per_device
+from bench.cli import positive_count
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Memory figures need TensorFlow's BFC allocator on CPU (otherwise get_memory_info raises on CPUs where oneDNN is
@@ -382,17 +383,6 @@ HEAVY_SCHEDULES = ("zero_bubble", "zero_bubble_v", "fill_drain" + BATCHED_W, "ze
 CLOSE_POINTS = 5.0  # prediction and median measurement agree within this many percentage points
 
 
-def _positive(text: str) -> int:
-    """An integer flag that must be at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1; give a count such as 3")
-    return value
-
-
 def _timeline_schedules(text: str) -> list[str]:
     """The --schedules flag: names from TIMELINE_SCHEDULES, comma-separated."""
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -543,10 +533,8 @@ def memory(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[st
 def median_device_row(schedule: str, runs: list[list[float]]) -> dict[str, Any]:
     """One schedule's per-device row from several fresh processes' peaks (`runs[r][device]`): each device's median
     (a device's peak moves by a few MiB between processes with the allocator's state), and every run."""
-    if not runs or len({len(r) for r in runs}) != 1:
-        raise ValueError(f"{schedule}: runs {runs!r} must be one or more lists of the same number of devices")
     return dict(workload="mlp", schedule=schedule, k=4, m=16, remat="never",
-                device_peak_memory_mb=[statistics.median(device) for device in zip(*runs)],
+                device_peak_memory_mb=per_device.combine(runs, statistics.median, schedule),
                 device_peak_memory_runs_mb=runs)
 
 
@@ -646,7 +634,7 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="FillDrain and Unrolled side by side only: K=2, M=8 "
                         "on workload (a) with and without remat, and with the zero-bubble schedules on the "
                         "weight-heavy workload (no memory part)")
-    parser.add_argument("--memory-processes", type=_positive, default=3,
+    parser.add_argument("--memory-processes", type=positive_count, default=3,
                         help="fresh processes per schedule for the per-device memory figures, whose medians are "
                              "printed (default 3)")
     parser.add_argument("--skip-speed", action="store_true",

@@ -3,8 +3,6 @@ schedule's largest device with 1F1B's."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from bench import pipeline as bench_pipeline
@@ -35,9 +33,3 @@ def test_device_memory_lines_compare_the_largest_devices_medians() -> None:
     assert lines[2] == ("peak memory of the largest device K=4 M=16 no remat zero_bubble_v / one_f_one_b: "
                         "1.05 (179.0 / 170.0 MiB)")
 
-
-def test_memory_processes_flag_takes_counts_from_one() -> None:
-    assert bench_pipeline._positive("3") == 3
-    for bad in ("0", "-1", "three"):
-        with pytest.raises(argparse.ArgumentTypeError, match="whole number >= 1"):
-            bench_pipeline._positive(bad)

@@ -43,8 +43,7 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
     """Runs `steps` training steps of the configured experiment on faithful devices in this process (the module
     doc); {"measured": [bytes per device], "predicted": [the plan's peak per device], "plan": the plan}, and with
     `at_peak` "at_peak": [per device, `peak_allocations` of more traced steps], with `tensors` "tensors": [per
-    device, `tensors_peak` of more traced steps, less the bytes held before the task was built] and "traced" [per
-    device, the allocator's peak in those steps, on the same scale].
+    device, `tensors_peak` of more traced steps, less the bytes held before the task was built].
 
     Call it once per process: the client connects to its workers' cluster for good.
     """
@@ -86,8 +85,6 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
                 events = [memory_events(path) for path in paths]
             if tensors:
                 result["tensors"] = [tensors_peak(e) - before[t] for t, e in enumerate(events)]
-                result["traced"] = [max([int(st.get("bytes_allocated") or 0) for _, _, st in e] + [0]) - before[t]
-                                    for t, e in enumerate(events)]
             if at_peak:
                 result["at_peak"] = [peak_allocations(e) for e in events]
     return result

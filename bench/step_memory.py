@@ -20,7 +20,8 @@ chunks it handed out whole, which depends on which chunks earlier steps left fre
 One configuration per fresh process (`measure_in_fresh_process`): a client connects to one cluster once.
 
 What holds a worker's peak: `--at_peak` also traces a step with the TensorFlow profiler on every worker and lists
-the allocations alive at the moment its allocator held the most, grouped by the op that made them:
+the allocations alive at the moment its allocator held the most and at the moment its tensors did (what a plan
+of the tensors must count), grouped by the op that made them:
 
   python -m bench.step_memory --model=image.amoebanet.AmoebaNetTinyOffline --at_peak \
       --params="task.network.num_stages=2,task.network.remat='always'"
@@ -87,6 +88,7 @@ def measure_step(model: str, gin: Sequence[str], overrides: str, steps: int = 6,
                 result["tensors"] = [tensors_peak(e) - before[t] for t, e in enumerate(events)]
             if at_peak:
                 result["at_peak"] = [peak_allocations(e) for e in events]
+                result["at_tensors_peak"] = [peak_allocations(e, tensors=True) for e in events]
     return result
 
 
@@ -116,38 +118,40 @@ def tensors_peak(events: Sequence[MemoryEvent]) -> int:
     bytes in use less the unused part of the chunks alive that were handed out during the trace (BFC hands out a
     free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor, and how
     much depends on which chunks earlier steps left free)."""
-    slack: dict[Any, int] = {}  # addr -> chunk bytes - requested bytes, of the traced allocations alive
-    total_slack, peak = 0, 0
+    return _peak(events, tensors=True)[0]
+
+
+def _peak(events: Sequence[MemoryEvent], tensors: bool) -> tuple[int, dict[Any, tuple[int, str, str, int]]]:
+    """(the peak, the traced allocations alive at it: addr -> (chunk bytes, op, kind, requested bytes)) of the
+    allocator's bytes in use, or with `tensors` of its tensors' bytes (`tensors_peak`)."""
+    live: dict[Any, tuple[int, str, str, int]] = {}
+    total_slack, peak, at_peak = 0, 0, {}
     for _, allocation, stats in events:
         addr = stats.get("addr")
-        total_slack -= slack.pop(addr, 0)
+        gone = live.pop(addr, None)
+        total_slack -= gone[0] - gone[3] if gone else 0
         if allocation:
-            slack[addr] = int(stats.get("allocation_bytes") or 0) - int(stats.get("requested_bytes") or 0)
-            total_slack += slack[addr]
-        peak = max(peak, int(stats.get("bytes_allocated") or 0) - total_slack)
-    return peak
+            live[addr] = (int(stats.get("allocation_bytes") or 0), str(stats.get("tf_op") or "?"),
+                          str(stats.get("region_type") or "?"), int(stats.get("requested_bytes") or 0))
+            total_slack += live[addr][0] - live[addr][3]
+        held = int(stats.get("bytes_allocated") or 0) - (total_slack if tensors else 0)
+        if held > peak:
+            peak, at_peak = held, dict(live)
+    return peak, at_peak
 
 
-def peak_allocations(events: Sequence[MemoryEvent], top: int = 12) -> dict[str, Any]:
-    """The allocations alive when the allocator of one worker's trace (`memory_events`) held the most:
-    {"peak": bytes, "by_op": [[bytes, count, op name, kind], ...] largest first, `top` of them (kind: "output"
-    for an op's result, "temp" for its scratch memory), "traced": the allocator chunks' bytes of the step's
-    allocations alive then, "requested": the bytes those allocations asked for}. The allocator (BFC) hands out a
-    free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor."""
-    live: dict[Any, tuple[int, str, str, int]] = {}  # addr -> (chunk bytes, op, kind, requested bytes)
-    peak, at_peak = 0, {}
-    for _, allocation, stats in events:
-        if allocation:
-            live[stats.get("addr")] = (int(stats.get("allocation_bytes") or 0), str(stats.get("tf_op") or "?"),
-                                       str(stats.get("region_type") or "?"), int(stats.get("requested_bytes") or 0))
-        else:
-            live.pop(stats.get("addr"), None)
-        if int(stats.get("bytes_allocated") or 0) > peak:
-            peak, at_peak = int(stats.get("bytes_allocated") or 0), dict(live)
+def peak_allocations(events: Sequence[MemoryEvent], top: int = 12, tensors: bool = False) -> dict[str, Any]:
+    """The allocations alive when the allocator of one worker's trace (`memory_events`) held the most, or with
+    `tensors` when its tensors did (`tensors_peak`): {"peak": bytes, "by_op": [[bytes, count, op name, kind], ...]
+    largest first, `top` of them (bytes: the allocator's chunks, or with `tensors` the bytes requested; kind:
+    "output" for an op's result, "temp" for its scratch memory), "traced": the allocator chunks' bytes of the
+    step's allocations alive then, "requested": the bytes those allocations asked for}. The allocator (BFC) hands
+    out a free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor."""
+    peak, at_peak = _peak(events, tensors)
     groups: dict[tuple[str, str], list[int]] = {}
-    for size, op, kind, _ in at_peak.values():
+    for size, op, kind, requested in at_peak.values():
         group = groups.setdefault((op, kind), [0, 0])
-        group[0] += size
+        group[0] += requested if tensors else size
         group[1] += 1
     ranked = sorted(([b, n, op, kind] for (op, kind), (b, n) in groups.items()), reverse=True)
     return {"peak": peak, "by_op": ranked[:top], "traced": sum(a[0] for a in at_peak.values()),
@@ -178,7 +182,8 @@ def main() -> None:
     parser.add_argument("--params", default="", help="Params overrides, as the trainer's --params.")
     parser.add_argument("--steps", type=int, default=6, help="Steps; the largest peak of all but the first is "
                         "measured (default 6).")
-    parser.add_argument("--at_peak", action="store_true", help="List the allocations alive at each peak.")
+    parser.add_argument("--at_peak", action="store_true", help="List the allocations alive at each peak, the "
+                        "allocator's and the tensors'.")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error(f"--steps={args.steps}: at least 2 (the first step warms up)")
@@ -190,13 +195,17 @@ def main() -> None:
             tensors = result["tensors"][d]
             print(f"  its tensors' peak in the traced steps: {tensors / 2 ** 20:.2f} MiB "
                   f"({predicted / tensors - 1:+.1%})")
-        at_peak = result.get("at_peak", [{}] * (d + 1))[d]
-        if at_peak:
-            print(f"  the step's allocations alive at the peak: {at_peak['traced'] / 2 ** 20:.2f} MiB of allocator "
-                  f"chunks for {at_peak['requested'] / 2 ** 20:.2f} MiB of tensors; the rest of the peak was "
-                  "allocated before the step")
-        for size, count, op, kind in at_peak.get("by_op", []):
-            print(f"  {size / 2 ** 20:9.2f} MiB x{count:<4} {kind:<6} {op}")
+        if "at_peak" in result:
+            at_peak = result["at_peak"][d]
+            print(f"  the step's allocations alive at the allocator's peak: {at_peak['traced'] / 2 ** 20:.2f} MiB of "
+                  f"allocator chunks for {at_peak['requested'] / 2 ** 20:.2f} MiB of tensors; the rest of the peak "
+                  "was allocated before the step")
+            for size, count, op, kind in at_peak["by_op"]:
+                print(f"  {size / 2 ** 20:9.2f} MiB x{count:<4} {kind:<6} {op}")
+            at_tensors = result["at_tensors_peak"][d]
+            print(f"  the step's tensors alive at the tensors' peak: {at_tensors['requested'] / 2 ** 20:.2f} MiB")
+            for size, count, op, kind in at_tensors["by_op"]:
+                print(f"  {size / 2 ** 20:9.2f} MiB x{count:<4} {kind:<6} {op}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,24 @@ def test_tensors_peak_counts_a_reused_address_by_its_latest_chunk() -> None:
     assert step_memory.tensors_peak(events) == 8 * MIB
 
 
+def test_the_listing_at_the_tensors_peak_is_of_another_moment_than_the_allocators() -> None:
+    def event(t: int, addr: int, in_use: int, chunk: int, requested: int, op: str) -> step_memory.MemoryEvent:
+        stats = {"addr": addr, "bytes_allocated": in_use, "allocation_bytes": chunk, "requested_bytes": requested,
+                 "tf_op": op, "region_type": "output"}
+        return (t, True, stats)
+
+    events = [
+        event(1, 0xA, 16 * MIB, chunk=16 * MIB, requested=9 * MIB, op="Small"),  # allocator's peak: 16 MiB
+        _event(2, 0xA, 0),
+        event(3, 0xB, 12 * MIB, chunk=12 * MIB, requested=12 * MIB, op="Big"),  # tensors' peak: 12 MiB
+    ]
+    at_allocator = step_memory.peak_allocations(events)
+    at_tensors = step_memory.peak_allocations(events, tensors=True)
+    assert at_allocator["by_op"] == [[16 * MIB, 1, "Small", "output"]]
+    assert at_tensors == {"peak": 12 * MIB, "by_op": [[12 * MIB, 1, "Big", "output"]], "traced": 12 * MIB,
+                          "requested": 12 * MIB}
+
+
 TRACE_SCRIPT = textwrap.dedent("""
     import json
     import tensorflow as tf

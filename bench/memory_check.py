@@ -14,7 +14,9 @@ bytes in use less the unused part of the chunks it handed out whole: `step_memor
 the allocator's own peak over five steps. BFC hands out a free chunk whole unless it is at least twice the request,
 so the allocator's peak carries a share of unused bytes that depends on which chunks earlier steps left free: the
 same device's allocator peak moves between runs where its tensors' peak does not. Each column has its error
-(predicted / measured - 1); the planner's bound is within 10% and never more than 5% under.
+(predicted / measured - 1); the planner's bound is within 10% and never more than 5% under. With several processes
+the check also says how far each peak moved between them: a device whose peaks differ by more than 1.10 / 0.95 =
+1.158x between two processes cannot be within the bound of both with any one prediction (`spread`).
 
 TensorFlow's own CPU kernels run (`TF_ENABLE_ONEDNN_OPTS=0` unless the environment sets it): the kernels the
 planner's convolution scratch (`BaseLayer.scratch_bytes`) was traced on. docs/memory.md says how much the kernel
@@ -104,10 +106,22 @@ def largest_over_runs(results: list[dict]) -> dict:
     return {**results[0], **largest, "tensors_runs": tensors, "allocator_runs": allocator}
 
 
+def spread(rows: list[dict], key: str) -> dict:
+    """How far each device's peaks (`key`: "tensors_runs" or "allocator_runs" of `check`'s rows) moved between
+    processes: {"widest": the row whose largest / smallest peak is the largest, "ratio": that quotient, "moved":
+    the rows whose quotient exceeds (1 + TOLERANCE) / (1 - UNDER), the most two measurements of one device may
+    differ for any one prediction to be within the bound of both}."""
+    def ratio(row: dict) -> float:
+        return max(row[key]) / min(row[key])
+    widest = max(rows, key=ratio)
+    return {"widest": widest, "ratio": ratio(widest),
+            "moved": [r for r in rows if ratio(r) > (1 + TOLERANCE) / (1 - UNDER)]}
+
+
 def check(configs: list[Config], log: bool = True, processes: int = 1) -> list[dict]:
     """Measures each configuration (`processes` fresh processes each, per device the largest of them) and prints
     one row per device as it goes; returns [{"config", "device", "stashed", "predicted", "measured" (the tensors'
-    peak), "error", "allocator", "allocator_error"}]."""
+    peak), "error", "allocator", "allocator_error", "tensors_runs", "allocator_runs" (each process's peak)}]."""
     from bench import step_memory
 
     # TensorFlow's own kernels unless the environment chooses (the module doc says why).
@@ -125,7 +139,9 @@ def check(configs: list[Config], log: bool = True, processes: int = 1) -> list[d
             row = {"config": c.name, "device": d, "predicted": predicted, "measured": measured,
                    "error": predicted / measured - 1, "allocator": allocator,
                    "allocator_error": predicted / allocator - 1,
-                   "stashed": result["plan"]["devices"][d]["stashed_micro_batches"]}
+                   "stashed": result["plan"]["devices"][d]["stashed_micro_batches"],
+                   "tensors_runs": [run[d] for run in result["tensors_runs"]],
+                   "allocator_runs": [run[d] for run in result["allocator_runs"]]}
             rows.append(row)
             if log:
                 print(f"{c.name:<45} {d:>6} {row['stashed']:>5} {predicted / 2 ** 20:>13.2f} "
@@ -158,6 +174,15 @@ def main() -> None:
         worst = max(rows, key=lambda r: abs(r[key]))
         print(f"against the {what} peak: largest error {worst[key]:+.1%} ({worst['config']} device "
               f"{worst['device']}); {len(outside)} of {len(rows)} devices outside [-{UNDER:.0%}, +{TOLERANCE:.0%}]")
+    if args.processes > 1:
+        band = (1 + TOLERANCE) / (1 - UNDER)
+        for key, what in (("tensors_runs", "tensors"), ("allocator_runs", "allocator")):
+            moved = spread(rows, key)
+            widest = moved["widest"]
+            print(f"{what} peaks over {args.processes} processes: widest spread {moved['ratio']:.3f}x "
+                  f"({widest['config']} device {widest['device']}: {min(widest[key]) / 2 ** 20:.2f}-"
+                  f"{max(widest[key]) / 2 ** 20:.2f} MiB); {len(moved['moved'])} of {len(rows)} devices moved more "
+                  f"than {band:.3f}x, beyond what one prediction can be within the bound of")
 
 
 if __name__ == "__main__":

@@ -23,3 +23,12 @@ def test_largest_over_runs_refuses_no_runs_and_runs_of_different_devices():
         memory_check.largest_over_runs([])
     with pytest.raises(ValueError, match="same number of devices"):
         memory_check.largest_over_runs([_run([1, 2], [1, 2]), _run([1], [1])])
+
+
+def test_spread_finds_the_devices_no_one_prediction_can_be_within_the_bound_of():
+    rows = [{"config": "a", "device": 0, "tensors_runs": [176, 208]},  # 1.18x: beyond 1.10 / 0.95
+            {"config": "a", "device": 1, "tensors_runs": [192, 208]},  # 1.083x
+            {"config": "b", "device": 0, "tensors_runs": [64, 64]}]
+    moved = memory_check.spread(rows, "tensors_runs")
+    assert moved["widest"] is rows[0] and moved["ratio"] == pytest.approx(208 / 176)
+    assert moved["moved"] == [rows[0]]

@@ -174,6 +174,9 @@ def main() -> None:
         worst = max(rows, key=lambda r: abs(r[key]))
         print(f"against the {what} peak: largest error {worst[key]:+.1%} ({worst['config']} device "
               f"{worst['device']}); {len(outside)} of {len(rows)} devices outside [-{UNDER:.0%}, +{TOLERANCE:.0%}]")
+    slack = max(rows, key=lambda r: r["allocator"] / r["measured"])
+    print(f"allocator / tensors: largest {slack['allocator'] / slack['measured']:.3f}x ({slack['config']} device "
+          f"{slack['device']}), the unused part of the allocator's chunks a budget must allow on top of the tensors")
     if args.processes > 1:
         band = (1 + TOLERANCE) / (1 - UNDER)
         for key, what in (("tensors_runs", "tensors"), ("allocator_runs", "allocator")):

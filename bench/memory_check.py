@@ -150,8 +150,40 @@ def check(configs: list[Config], log: bool = True, processes: int = 1) -> list[d
     return rows
 
 
+def summary(rows: list[dict], processes: int) -> list[str]:
+    """The lines under the table (`check`'s rows): per measured peak the largest error and how many devices are
+    outside the bound, the largest allocator / tensors ratio, and over several processes how far the peaks moved
+    (`spread`), naming the devices that moved beyond what one prediction can be within the bound of."""
+    lines = []
+    for key, what in (("error", "tensors"), ("allocator_error", "allocator")):
+        outside = [r for r in rows if abs(r[key]) > TOLERANCE or r[key] < -UNDER]
+        worst = max(rows, key=lambda r: abs(r[key]))
+        lines.append(f"against the {what} peak: largest error {worst[key]:+.1%} ({worst['config']} device "
+                     f"{worst['device']}); {len(outside)} of {len(rows)} devices outside [-{UNDER:.0%}, "
+                     f"+{TOLERANCE:.0%}]")
+    slack = max(rows, key=lambda r: r["allocator"] / r["measured"])
+    lines.append(f"allocator / tensors: largest {slack['allocator'] / slack['measured']:.3f}x ({slack['config']} "
+                 f"device {slack['device']}), the unused part of the allocator's chunks a budget must allow on top "
+                 "of the tensors")
+    if processes > 1:
+        band = (1 + TOLERANCE) / (1 - UNDER)
+        for key, what in (("tensors_runs", "tensors"), ("allocator_runs", "allocator")):
+            moved = spread(rows, key)
+            widest = moved["widest"]
+            lines.append(f"{what} peaks over {processes} processes: widest spread {moved['ratio']:.3f}x "
+                         f"({widest['config']} device {widest['device']}: {_range(widest[key])}); "
+                         f"{len(moved['moved'])} of {len(rows)} devices moved more than {band:.3f}x, beyond what "
+                         "one prediction can be within the bound of")
+            lines += [f"  {r['config']} device {r['device']}: {_range(r[key])}" for r in moved["moved"]]
+    return lines
+
+
+def _range(peaks: list[int]) -> str:
+    return f"{min(peaks) / 2 ** 20:.2f}-{max(peaks) / 2 ** 20:.2f} MiB"
+
+
 def main() -> None:
-    """Prints the table, then per measured peak the largest error and how many devices are outside the bound."""
+    """Prints the table, then its `summary`."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="", help="Comma-separated configuration names (default: all).")
     parser.add_argument("--list", action="store_true", help="Print the configurations and their overrides.")
@@ -169,23 +201,7 @@ def main() -> None:
             print(f"{c.name}: {shlex.join(flags)}")
         return
     rows = check(chosen, processes=args.processes)
-    for key, what in (("error", "tensors"), ("allocator_error", "allocator")):
-        outside = [r for r in rows if abs(r[key]) > TOLERANCE or r[key] < -UNDER]
-        worst = max(rows, key=lambda r: abs(r[key]))
-        print(f"against the {what} peak: largest error {worst[key]:+.1%} ({worst['config']} device "
-              f"{worst['device']}); {len(outside)} of {len(rows)} devices outside [-{UNDER:.0%}, +{TOLERANCE:.0%}]")
-    slack = max(rows, key=lambda r: r["allocator"] / r["measured"])
-    print(f"allocator / tensors: largest {slack['allocator'] / slack['measured']:.3f}x ({slack['config']} device "
-          f"{slack['device']}), the unused part of the allocator's chunks a budget must allow on top of the tensors")
-    if args.processes > 1:
-        band = (1 + TOLERANCE) / (1 - UNDER)
-        for key, what in (("tensors_runs", "tensors"), ("allocator_runs", "allocator")):
-            moved = spread(rows, key)
-            widest = moved["widest"]
-            print(f"{what} peaks over {args.processes} processes: widest spread {moved['ratio']:.3f}x "
-                  f"({widest['config']} device {widest['device']}: {min(widest[key]) / 2 ** 20:.2f}-"
-                  f"{max(widest[key]) / 2 ** 20:.2f} MiB); {len(moved['moved'])} of {len(rows)} devices moved more "
-                  f"than {band:.3f}x, beyond what one prediction can be within the bound of")
+    print("\n".join(summary(rows, args.processes)))
 
 
 if __name__ == "__main__":

@@ -89,5 +89,7 @@ def test_a_traced_workers_tensors_peak_holds_the_steps_tensors_and_no_more_than_
     out = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     peaks = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 12 * MIB <= peaks["tensors"] <= peaks["allocator"], peaks
+    # Less at most a few small tensors held before the trace and freed in it (the previous step's scalars: 256-byte
+    # chunks), which depends on when the executor freed them.
+    assert 12 * MIB - 64 * 1024 <= peaks["tensors"] <= peaks["allocator"], peaks
     assert peaks["tensors"] < 13 * MIB, peaks  # the step holds nothing else of size

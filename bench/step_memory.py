@@ -33,7 +33,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -118,14 +118,17 @@ def tensors_peak(events: Sequence[MemoryEvent]) -> int:
     bytes in use less the unused part of the chunks alive that were handed out during the trace (BFC hands out a
     free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor, and how
     much depends on which chunks earlier steps left free)."""
-    return _peak(events, tensors=True)[0]
+    return max((held for held, _ in _held(events, tensors=True)), default=0)
 
 
-def _peak(events: Sequence[MemoryEvent], tensors: bool) -> tuple[int, dict[Any, tuple[int, str, str, int]]]:
-    """(the peak, the traced allocations alive at it: addr -> (chunk bytes, op, kind, requested bytes)) of the
-    allocator's bytes in use, or with `tensors` of its tensors' bytes (`tensors_peak`)."""
-    live: dict[Any, tuple[int, str, str, int]] = {}
-    total_slack, peak, at_peak = 0, 0, {}
+Allocation = tuple[int, str, str, int]  # (chunk bytes, op, kind, requested bytes) of one traced allocation
+
+
+def _held(events: Sequence[MemoryEvent], tensors: bool) -> Iterator[tuple[int, dict[Any, Allocation]]]:
+    """After each event, (the allocator's bytes in use, or with `tensors` its tensors' bytes (`tensors_peak`), the
+    traced allocations alive: addr -> `Allocation`, one dict updated in place)."""
+    live: dict[Any, Allocation] = {}
+    total_slack = 0
     for _, allocation, stats in events:
         addr = stats.get("addr")
         gone = live.pop(addr, None)
@@ -134,10 +137,7 @@ def _peak(events: Sequence[MemoryEvent], tensors: bool) -> tuple[int, dict[Any, 
             live[addr] = (int(stats.get("allocation_bytes") or 0), str(stats.get("tf_op") or "?"),
                           str(stats.get("region_type") or "?"), int(stats.get("requested_bytes") or 0))
             total_slack += live[addr][0] - live[addr][3]
-        held = int(stats.get("bytes_allocated") or 0) - (total_slack if tensors else 0)
-        if held > peak:
-            peak, at_peak = held, dict(live)
-    return peak, at_peak
+        yield int(stats.get("bytes_allocated") or 0) - (total_slack if tensors else 0), live
 
 
 def peak_allocations(events: Sequence[MemoryEvent], top: int = 12, tensors: bool = False) -> dict[str, Any]:
@@ -147,7 +147,10 @@ def peak_allocations(events: Sequence[MemoryEvent], top: int = 12, tensors: bool
     "output" for an op's result, "temp" for its scratch memory), "traced": the allocator chunks' bytes of the
     step's allocations alive then, "requested": the bytes those allocations asked for}. The allocator (BFC) hands
     out a free chunk whole unless it is at least twice the request, so a chunk may hold up to twice its tensor."""
-    peak, at_peak = _peak(events, tensors)
+    peak, at = max(((held, i) for i, (held, _) in enumerate(_held(events, tensors))), default=(0, -1),
+                   key=lambda e: e[0])  # the first event at the peak
+    # Replayed to the peak, rather than copying the allocations alive at every new peak on the way.
+    at_peak = next((live for i, (_, live) in enumerate(_held(events, tensors)) if i == at), {})
     groups: dict[tuple[str, str], list[int]] = {}
     for size, op, kind, requested in at_peak.values():
         group = groups.setdefault((op, kind), [0, 0])

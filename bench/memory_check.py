@@ -152,8 +152,10 @@ def check(configs: list[Config], log: bool = True, processes: int = 1) -> list[d
 
 def summary(rows: list[dict], processes: int) -> list[str]:
     """The lines under the table (`check`'s rows): per measured peak the largest error and how many devices are
-    outside the bound, the largest allocator / tensors ratio, and over several processes how far the peaks moved
-    (`spread`), naming the devices that moved beyond what one prediction can be within the bound of."""
+    outside the bound; the largest ratio of a device's allocator peak to its tensors' peak (each the largest over
+    the processes: what a budget must hold against what a plan of the tensors predicts); and over several
+    processes how far the peaks moved (`spread`), naming the devices that moved beyond what one prediction can be
+    within the bound of."""
     lines = []
     for key, what in (("error", "tensors"), ("allocator_error", "allocator")):
         outside = [r for r in rows if abs(r[key]) > TOLERANCE or r[key] < -UNDER]
